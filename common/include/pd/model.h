@@ -1,0 +1,103 @@
+/* Hugging Face causal LMs of the Llama family: LlamaForCausalLM, Qwen2ForCausalLM,
+ * MistralForCausalLM. config.json parsing and the weight layout the engine reads. */
+#ifndef PD_MODEL_H
+#define PD_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pd/dtype.h"
+#include "pd/safetensors.h"
+#include "pd/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum pd_arch { PD_ARCH_LLAMA = 0, PD_ARCH_QWEN2, PD_ARCH_MISTRAL } pd_arch;
+
+typedef enum pd_rope_type { PD_ROPE_DEFAULT = 0, PD_ROPE_LINEAR, PD_ROPE_LLAMA3 } pd_rope_type;
+
+typedef struct pd_rope_config {
+  pd_rope_type type;
+  double theta;            /* rope_theta */
+  double factor;           /* linear and llama3 */
+  double low_freq_factor;  /* llama3 */
+  double high_freq_factor; /* llama3 */
+  int original_max_position_embeddings; /* llama3 */
+} pd_rope_config;
+
+#define PD_MAX_EOS 8
+
+typedef struct pd_model_config {
+  pd_arch arch;
+  char architecture[64]; /* as written in config.json */
+  int vocab_size;
+  int hidden_size;
+  int intermediate_size;
+  int num_layers;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim; /* explicit, or hidden_size / num_heads */
+  int max_position_embeddings;
+  double rms_norm_eps;
+  pd_rope_config rope;
+  bool tie_word_embeddings;
+  bool attention_bias; /* q/k/v biases (always for Qwen2) */
+  bool mlp_bias;
+  int sliding_window; /* 0 = none */
+  int bos_token_id;   /* -1 = none */
+  int n_eos;
+  int eos_token_ids[PD_MAX_EOS];
+  pd_dtype dtype; /* declared torch dtype ("dtype" or "torch_dtype"), BF16 if absent */
+} pd_model_config;
+
+/* Parses config.json text. Unsupported architectures and RoPE types are PD_EUNSUPPORTED;
+ * missing or nonsensical fields are PD_EFORMAT; messages name the field. */
+pd_status pd_model_config_parse(const char *json, size_t len, pd_model_config *c, pd_err *e);
+pd_status pd_model_config_load(const char *dir, pd_model_config *c, pd_err *e);
+
+/* Fills inv_freq[head_dim/2] for the config's RoPE type (default, linear, llama3),
+ * computed in double precision and rounded to float, as transformers does. */
+void pd_rope_inv_freq(const pd_model_config *c, float *inv_freq);
+
+/* A weight as stored: 2-D [rows = out features, cols = in features] or 1-D (cols = 1).
+ * data points into the safetensors mapping. data == NULL means absent (optional bias). */
+typedef struct pd_weight {
+  const void *data;
+  pd_dtype dtype;
+  int64_t rows, cols;
+} pd_weight;
+
+typedef struct pd_layer_weights {
+  pd_weight attn_norm;          /* input_layernorm.weight [hidden] */
+  pd_weight wq, wk, wv, wo;     /* [nh*hd, hidden], [nkv*hd, hidden] x2, [hidden, nh*hd] */
+  pd_weight bq, bk, bv;         /* optional biases */
+  pd_weight ffn_norm;           /* post_attention_layernorm.weight [hidden] */
+  pd_weight w_gate, w_up, w_down; /* [ffn, hidden] x2, [hidden, ffn] */
+} pd_layer_weights;
+
+typedef struct pd_model {
+  pd_model_config cfg;
+  char dir[4096];
+  pd_st *st;
+  pd_weight tok_embeddings; /* model.embed_tokens.weight [vocab, hidden] */
+  pd_weight final_norm;     /* model.norm.weight [hidden] */
+  pd_weight lm_head;        /* lm_head.weight, or tok_embeddings when tied */
+  pd_layer_weights *layers; /* [num_layers] */
+} pd_model;
+
+typedef struct pd_model_opts {
+  int reserved;
+} pd_model_opts;
+
+/* Loads config.json and maps the weights of dir; checks every tensor's presence, dtype
+ * (F32/F16/BF16) and shape against the config. o may be NULL. */
+pd_model *pd_model_load(const char *dir, const pd_model_opts *o, pd_err *e);
+void pd_model_free(pd_model *m);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

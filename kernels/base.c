@@ -1,0 +1,125 @@
+/* Status messages and dtype helpers shared by all libraries. */
+#include <stdarg.h>
+#include <string.h>
+
+#include "pd/dtype.h"
+#include "pd/status.h"
+
+pd_status pd_err_set(pd_err *e, pd_status code, const char *fmt, ...) {
+  if (e) {
+    va_list ap;
+    va_start(ap, fmt);
+    e->code = code;
+    vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+void pd_err_prefix(pd_err *e, const char *fmt, ...) {
+  if (!e) return;
+  char pre[PD_ERR_MSG_MAX], old[PD_ERR_MSG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(pre, sizeof pre, fmt, ap);
+  va_end(ap);
+  memcpy(old, e->msg, sizeof old);
+  snprintf(e->msg, sizeof e->msg, "%s: %s", pre, old);
+}
+
+void pd_err_clear(pd_err *e) {
+  if (e) {
+    e->code = PD_OK;
+    e->msg[0] = 0;
+  }
+}
+
+const char *pd_status_str(pd_status s) {
+  static const char *names[PD_ESTATUS_COUNT] = {
+      "ok", "invalid argument", "out of memory", "I/O error", "bad format",
+      "unsupported", "not found", "full", "out of range", "backend error"};
+  return (s >= 0 && s < PD_ESTATUS_COUNT) ? names[s] : "unknown status";
+}
+
+static const struct {
+  const char *name;
+  size_t size;
+} dtype_info[PD_DTYPE_COUNT] = {
+    [PD_DTYPE_F32] = {"F32", 4},     [PD_DTYPE_F16] = {"F16", 2},
+    [PD_DTYPE_BF16] = {"BF16", 2},   [PD_DTYPE_F64] = {"F64", 8},
+    [PD_DTYPE_I8] = {"I8", 1},       [PD_DTYPE_U8] = {"U8", 1},
+    [PD_DTYPE_I16] = {"I16", 2},     [PD_DTYPE_I32] = {"I32", 4},
+    [PD_DTYPE_I64] = {"I64", 8},     [PD_DTYPE_BOOL] = {"BOOL", 1},
+    [PD_DTYPE_F8_E4M3] = {"F8_E4M3", 1}, [PD_DTYPE_F8_E5M2] = {"F8_E5M2", 1},
+};
+
+size_t pd_dtype_size(pd_dtype t) { return (t >= 0 && t < PD_DTYPE_COUNT) ? dtype_info[t].size : 0; }
+const char *pd_dtype_name(pd_dtype t) {
+  return (t >= 0 && t < PD_DTYPE_COUNT) ? dtype_info[t].name : "?";
+}
+int pd_dtype_from_name(const char *s) {
+  for (int i = 0; i < PD_DTYPE_COUNT; i++)
+    if (strcmp(s, dtype_info[i].name) == 0) return i;
+  return -1;
+}
+
+float pd_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else { /* subnormal: normalise */
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) {
+        man <<= 1;
+        exp--;
+      }
+      u = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else {
+    u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t pd_f32_to_f16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000;
+  int32_t exp = (int32_t)((u >> 23) & 0xff) - 127 + 15;
+  uint32_t man = u & 0x7fffff;
+  if (((u >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
+  if (exp >= 31) return (uint16_t)(sign | 0x7c00);
+  if (exp <= 0) {
+    if (exp < -10) return (uint16_t)sign;
+    man |= 0x800000;
+    uint32_t shift = (uint32_t)(14 - exp);
+    uint32_t half = 1u << (shift - 1);
+    uint32_t r = man >> shift;
+    uint32_t rem = man & ((1u << shift) - 1);
+    if (rem > half || (rem == half && (r & 1))) r++;
+    return (uint16_t)(sign | r);
+  }
+  uint32_t r = (uint32_t)(exp << 10) | (man >> 13);
+  uint32_t rem = man & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
+  return (uint16_t)(sign | r);
+}
+
+void pd_convert_to_f32(float *dst, const void *src, pd_dtype t, size_t n) {
+  if (t == PD_DTYPE_F32) {
+    memcpy(dst, src, n * 4);
+  } else if (t == PD_DTYPE_BF16) {
+    const uint16_t *s = src;
+    for (size_t i = 0; i < n; i++) dst[i] = pd_bf16_to_f32(s[i]);
+  } else if (t == PD_DTYPE_F16) {
+    const uint16_t *s = src;
+    for (size_t i = 0; i < n; i++) dst[i] = pd_f16_to_f32(s[i]);
+  } else {
+    PD_ASSERT(!"pd_convert_to_f32: unsupported dtype");
+  }
+}

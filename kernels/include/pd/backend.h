@@ -1,0 +1,142 @@
+/* The backend interface: one ops table, filled by each implementation (CPU, CUDA).
+ *
+ * The engine (common/engine) calls only these entry points; no backend #ifdefs in model code.
+ * All pointers passed to ops are backend memory (host memory for the CPU backend, device memory
+ * for CUDA) obtained from be->ops.alloc, except where a parameter says "host".
+ * Activations are float32, row-major. Weights are row-major [out_features, in_features] in
+ * their stored dtype (F32, F16 or BF16) and are converted on the fly; accumulation is float32.
+ *
+ * Paged KV cache layout, per layer (see pd_kv_layer):
+ *   k, v: [num_blocks, num_kv_heads, block_size, head_dim] in kv_dtype
+ * A token's slot is block_id * block_size + offset_in_block.
+ *
+ * Ops are asynchronous with respect to the host on devices; be->ops.sync waits for completion.
+ * The CPU backend completes each op before returning. */
+#ifndef PD_BACKEND_H
+#define PD_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pd/dtype.h"
+#include "pd/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pd_backend pd_backend;
+
+/* One layer's paged K and V storage. */
+typedef struct pd_kv_layer {
+  void *k; /* [num_blocks, num_kv_heads, block_size, head_dim] */
+  void *v; /* [num_blocks, num_kv_heads, block_size, head_dim] */
+} pd_kv_layer;
+
+typedef struct pd_kv_shape {
+  int num_blocks;
+  int block_size;
+  int num_kv_heads;
+  int head_dim;
+  pd_dtype dtype; /* F32 on the CPU backend; F16/BF16 also allowed */
+} pd_kv_shape;
+
+/* A ragged batch as attention sees it. Sequence s owns the query rows
+ * [q_start[s], q_start[s+1]) of the batch; those rows are the newest tokens of the sequence,
+ * at positions ctx_len[s] - n_new .. ctx_len[s] - 1, where n_new = q_start[s+1] - q_start[s].
+ * Their K/V are already written to the cache when attention runs (kv_write comes first).
+ * Token t of sequence s lives in block block_tables[s * max_blocks + t / block_size].
+ * All arrays are backend memory. */
+typedef struct pd_attn_batch {
+  int n_seqs;
+  int n_tokens;               /* q_start[n_seqs] */
+  const int32_t *q_start;     /* [n_seqs + 1] */
+  const int32_t *ctx_len;     /* [n_seqs] tokens in the cache for s, new ones included */
+  const int32_t *block_tables; /* [n_seqs, max_blocks] */
+  int max_blocks;
+  int max_ctx_len;            /* max over ctx_len (host-side hint for work splitting) */
+} pd_attn_batch;
+
+typedef struct pd_backend_ops {
+  const char *name;
+
+  /* ---- memory ---- */
+  void *(*alloc)(pd_backend *be, size_t bytes);         /* NULL on failure; zeroed */
+  void (*free)(pd_backend *be, void *p);
+  void (*to_device)(pd_backend *be, void *dst, const void *host_src, size_t bytes);
+  void (*to_host)(pd_backend *be, void *host_dst, const void *src, size_t bytes);
+  void (*sync)(pd_backend *be);
+
+  /* ---- ops ---- */
+  /* y[M,N] = x[M,K] · W[N,K]^T (+ bias[N] when bias != NULL). W in wdt; x, y, bias f32.
+   * y must not alias x. */
+  void (*matmul)(pd_backend *be, float *y, const float *x, const void *w, pd_dtype wdt,
+                 const float *bias, int M, int N, int K);
+
+  /* y[M,D] = x / sqrt(mean(x^2) + eps) * w[D]. y may alias x. */
+  void (*rmsnorm)(pd_backend *be, float *y, const float *x, const float *w, float eps, int M,
+                  int D);
+
+  /* Fused residual: x[M,D] += r[M,D]; then y = rmsnorm(x). */
+  void (*add_rmsnorm)(pd_backend *be, float *y, float *x, const float *r, const float *w,
+                      float eps, int M, int D);
+
+  /* y[M,D] = table[ids[i], :] (table [V,D] in dt), converted to f32. */
+  void (*embed)(pd_backend *be, float *y, const void *table, pd_dtype dt, const int32_t *ids,
+                int M, int D);
+
+  /* Rotary embedding in place, the rotate-half (GPT-NeoX / HF Llama) layout: for each head,
+   * pairs (i, i + head_dim/2), angle = pos * inv_freq[i], i < head_dim/2.
+   * q [M, n_q_heads, head_dim], k [M, n_kv_heads, head_dim]; pos [M]; inv_freq [head_dim/2].
+   * (RoPE scaling types differ only in inv_freq, which the engine computes once.) */
+  void (*rope)(pd_backend *be, float *q, float *k, const int32_t *pos, const float *inv_freq,
+               int M, int n_q_heads, int n_kv_heads, int head_dim);
+
+  /* y[M,F] = silu(gu[M, 0:F]) * gu[M, F:2F]  (gate and up concatenated per row). */
+  void (*swiglu)(pd_backend *be, float *y, const float *gu, int M, int F);
+
+  /* Writes K and V rows into the cache: for i < M, k[i] ([n_kv_heads, head_dim]) goes to slot
+   * slots[i]. A negative slot skips the row. */
+  void (*kv_write)(pd_backend *be, const pd_kv_layer *kv, const pd_kv_shape *shape,
+                   const float *k, const float *v, const int32_t *slots, int M);
+
+  /* Causal attention over the paged cache.
+   * q [n_tokens, n_q_heads, head_dim] -> out [n_tokens, n_q_heads, head_dim].
+   * Query head h reads KV head h / (n_q_heads / n_kv_heads). scale multiplies q·k.
+   * sliding_window > 0 limits each query to the last sliding_window keys (itself included). */
+  void (*attention)(pd_backend *be, float *out, const float *q, const pd_kv_layer *kv,
+                    const pd_kv_shape *shape, const pd_attn_batch *b, int n_q_heads, float scale,
+                    int sliding_window);
+
+  /* y[i,:] = x[idx[i],:] for i < n; rows of D floats. */
+  void (*get_rows)(pd_backend *be, float *y, const float *x, const int32_t *idx, int n, int D);
+
+  /* y[n] += x[n] */
+  void (*add)(pd_backend *be, float *y, const float *x, size_t n);
+
+  /* Optional (may be NULL): releases the backend. */
+  void (*destroy)(pd_backend *be);
+} pd_backend_ops;
+
+struct pd_backend {
+  pd_backend_ops ops;
+  void *impl; /* implementation state */
+};
+
+typedef struct pd_backend_opts {
+  int n_threads; /* CPU: worker threads, 0 = all online cores */
+  int device;    /* CUDA: device ordinal */
+} pd_backend_opts;
+
+/* The CPU backend, always built. Picks SIMD kernels at run time by what the CPU supports
+ * (AVX-512 / AVX2+FMA / portable C). PD_CPU_ISA=avx512|avx2|generic forces a lower level. */
+pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e);
+/* Which kernel family the CPU backend chose: "avx512", "avx2" or "generic". */
+const char *pd_backend_cpu_isa(const pd_backend *be);
+void pd_backend_destroy(pd_backend *be);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

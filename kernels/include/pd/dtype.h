@@ -1,0 +1,61 @@
+/* Element types of weights, activations and KV cache, with exact conversions. */
+#ifndef PD_DTYPE_H
+#define PD_DTYPE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum pd_dtype {
+  PD_DTYPE_F32 = 0,
+  PD_DTYPE_F16,
+  PD_DTYPE_BF16,
+  PD_DTYPE_F64,
+  PD_DTYPE_I8,
+  PD_DTYPE_U8,
+  PD_DTYPE_I16,
+  PD_DTYPE_I32,
+  PD_DTYPE_I64,
+  PD_DTYPE_BOOL,
+  PD_DTYPE_F8_E4M3,
+  PD_DTYPE_F8_E5M2,
+  PD_DTYPE_COUNT
+} pd_dtype;
+
+/* Bytes per element (1 for the 8-bit types). */
+size_t pd_dtype_size(pd_dtype t);
+/* safetensors spelling: "F32", "BF16", ... */
+const char *pd_dtype_name(pd_dtype t);
+/* Parses a safetensors dtype string; returns -1 when unknown. */
+int pd_dtype_from_name(const char *s);
+
+static inline float pd_bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* Round to nearest even; NaN stays NaN. */
+static inline uint16_t pd_f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+float pd_f16_to_f32(uint16_t h);
+uint16_t pd_f32_to_f16(float f);
+
+/* Converts n elements of type t at src into float32 at dst. t must be F32, F16 or BF16. */
+void pd_convert_to_f32(float *dst, const void *src, pd_dtype t, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
