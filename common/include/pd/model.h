@@ -44,9 +44,11 @@ typedef struct pd_model_config {
   double rms_norm_eps;
   pd_rope_config rope;
   bool tie_word_embeddings;
-  bool attention_bias; /* q/k/v biases (always for Qwen2) */
+  bool attention_bias; /* q/k/v biases (always for Qwen2); for Llama also the o_proj bias */
   bool mlp_bias;
   int sliding_window; /* 0 = none */
+  int sliding_window_first_layer; /* layers >= this use sliding_window (Qwen2: from layer_types or
+                                     max_window_layers; Mistral: 0) */
   int bos_token_id;   /* -1 = none */
   int n_eos;
   int eos_token_ids[PD_MAX_EOS];
@@ -58,8 +60,11 @@ typedef struct pd_model_config {
 pd_status pd_model_config_parse(const char *json, size_t len, pd_model_config *c, pd_err *e);
 pd_status pd_model_config_load(const char *dir, pd_model_config *c, pd_err *e);
 
-/* Fills inv_freq[head_dim/2] for the config's RoPE type (default, linear, llama3),
- * computed in double precision and rounded to float, as transformers does. */
+/* Fills inv_freq[head_dim/2] for the config's RoPE type (default, linear, llama3), following
+ * transformers' modeling_rope_utils.py step by step in float32 (it computes
+ * 1 / base ** (arange(0, dim, 2).float() / dim) and the scalings on float32 tensors). Every
+ * step rounds as torch's does except pow, taken correctly rounded (torch's vectorised powf is
+ * within 1 ulp of it), so values agree to about 1 ulp. */
 void pd_rope_inv_freq(const pd_model_config *c, float *inv_freq);
 
 /* A weight as stored: 2-D [rows = out features, cols = in features] or 1-D (cols = 1).
@@ -73,9 +78,11 @@ typedef struct pd_weight {
 typedef struct pd_layer_weights {
   pd_weight attn_norm;          /* input_layernorm.weight [hidden] */
   pd_weight wq, wk, wv, wo;     /* [nh*hd, hidden], [nkv*hd, hidden] x2, [hidden, nh*hd] */
-  pd_weight bq, bk, bv;         /* optional biases */
+  pd_weight bq, bk, bv;         /* optional biases [nh*hd], [nkv*hd] x2 (attention_bias) */
+  pd_weight bo;                 /* optional o_proj bias [hidden] (Llama attention_bias only) */
   pd_weight ffn_norm;           /* post_attention_layernorm.weight [hidden] */
   pd_weight w_gate, w_up, w_down; /* [ffn, hidden] x2, [hidden, ffn] */
+  pd_weight b_gate, b_up, b_down; /* optional biases [ffn] x2, [hidden] (Llama mlp_bias) */
 } pd_layer_weights;
 
 typedef struct pd_model {
