@@ -24,7 +24,15 @@ void pd_err_prefix(pd_err *e, const char *fmt, ...) {
   vsnprintf(pre, sizeof pre, fmt, ap);
   va_end(ap);
   memcpy(old, e->msg, sizeof old);
-  snprintf(e->msg, sizeof e->msg, "%s: %s", pre, old);
+  /* keep as much of both as fits */
+  size_t n = strlen(pre);
+  if (n > sizeof e->msg - 3) n = sizeof e->msg - 3;
+  memcpy(e->msg, pre, n);
+  memcpy(e->msg + n, ": ", 2);
+  size_t rest = sizeof e->msg - n - 3, m = strlen(old);
+  if (m > rest) m = rest;
+  memcpy(e->msg + n + 2, old, m);
+  e->msg[n + 2 + m] = 0;
 }
 
 void pd_err_clear(pd_err *e) {

@@ -67,6 +67,8 @@ typedef struct pd_backend_ops {
   void (*to_device)(pd_backend *be, void *dst, const void *host_src, size_t bytes);
   void (*to_host)(pd_backend *be, void *host_dst, const void *src, size_t bytes);
   void (*sync)(pd_backend *be);
+  /* Optional (may be NULL): copy between two backend buffers. */
+  void (*copy)(pd_backend *be, void *dst, const void *src, size_t bytes);
 
   /* ---- ops ---- */
   /* y[M,N] = x[M,K] · W[N,K]^T (+ bias[N] when bias != NULL). W in wdt; x, y, bias f32.
@@ -121,7 +123,9 @@ typedef struct pd_backend_ops {
 
 struct pd_backend {
   pd_backend_ops ops;
-  void *impl; /* implementation state */
+  bool host_memory; /* backend memory is ordinary host memory: host pointers (e.g. mmapped
+                       weights) may be passed to ops directly, without to_device copies */
+  void *impl;       /* implementation state */
 };
 
 typedef struct pd_backend_opts {

@@ -1,0 +1,81 @@
+/* The forward pass of the Llama / Qwen2 / Mistral family over a backend's ops table.
+ *
+ * One call runs one ragged batch: any mix of prefill chunks and decode tokens of many
+ * sequences, no padding. Each token names its cache slot (where its K/V are written) and
+ * each sequence its block table (where attention reads its whole context). The engine owns the
+ * paged KV storage; which blocks a sequence uses is decided by the caller (common/kvcache). */
+#ifndef PD_ENGINE_H
+#define PD_ENGINE_H
+
+#include <stdint.h>
+
+#include "pd/backend.h"
+#include "pd/model.h"
+#include "pd/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pd_engine pd_engine;
+
+typedef struct pd_engine_opts {
+  int block_size;       /* tokens per KV block (default 16) */
+  int num_blocks;       /* KV blocks in the pool (default: enough for 4 x max_model_len) */
+  int max_batch_tokens; /* most tokens in one forward (default 2048) */
+  int max_seqs;         /* most sequences in one forward (default 256) */
+  int max_model_len;    /* longest context (default: the model's max_position_embeddings) */
+  pd_dtype kv_dtype;    /* F32 (default) */
+} pd_engine_opts;
+
+/* Fills the defaults above (call before setting fields). */
+void pd_engine_opts_default(pd_engine_opts *o);
+
+/* Prepares the model on the backend: small weights converted to f32, large ones used in place
+ * (host backends) or uploaded once; KV pool and activation buffers allocated. The model must
+ * outlive the engine. */
+pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_opts *o,
+                            pd_err *e);
+void pd_engine_free(pd_engine *eng);
+
+const pd_engine_opts *pd_engine_get_opts(const pd_engine *eng);
+const pd_model_config *pd_engine_config(const pd_engine *eng);
+/* Bytes of KV cache one block takes across all layers (K and V). */
+size_t pd_engine_block_bytes(const pd_engine *eng);
+
+/* One step's batch, all arrays on the host. Sequence s contributes the tokens
+ * [q_start[s], q_start[s+1]) (its newest ones), whose positions are
+ * ctx_len[s] - n_new .. ctx_len[s] - 1 in order; slots[i] is where token i's K/V go
+ * (block * block_size + offset). Logits are produced for the rows logit_rows[0..n_logits). */
+typedef struct pd_batch {
+  int n_tokens;
+  const int32_t *tokens;    /* [n_tokens] */
+  const int32_t *positions; /* [n_tokens] */
+  const int32_t *slots;     /* [n_tokens] */
+  int n_seqs;
+  const int32_t *q_start;      /* [n_seqs + 1] */
+  const int32_t *ctx_len;      /* [n_seqs] */
+  const int32_t *block_tables; /* [n_seqs, max_blocks] */
+  int max_blocks;
+  int n_logits;
+  const int32_t *logit_rows; /* [n_logits] */
+} pd_batch;
+
+/* Runs the batch; writes logits [n_logits, vocab_size] (host, f32). The batch is validated
+ * (sizes within the engine's limits, ids in the vocabulary, slots and block ids in the pool,
+ * positions consistent) and rejected with PD_EINVAL before anything runs. */
+pd_status pd_engine_forward(pd_engine *eng, const pd_batch *b, float *logits, pd_err *e);
+
+/* The paged KV storage of one layer (backend memory) and its shape, e.g. to pack pages for
+ * a transfer. */
+pd_status pd_engine_kv(const pd_engine *eng, int layer, pd_kv_layer *kv, pd_kv_shape *shape,
+                       pd_err *e);
+
+/* Copies whole KV blocks src[i] -> dst[i] in every layer (copy-on-write). */
+pd_status pd_engine_copy_blocks(pd_engine *eng, const int32_t *src, const int32_t *dst, int n,
+                                pd_err *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,42 @@
+/* Table-driven command-line flags, shared by pdctl and the node binaries.
+ *
+ * Every flag --some-name can also come from the environment as PD_SOME_NAME; the command line
+ * wins. Values: --name VALUE or --name=VALUE; boolean flags take no value. */
+#ifndef PD_OPTS_H
+#define PD_OPTS_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "pd/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum pd_opt_type {
+  PD_OPT_STR,    /* const char ** */
+  PD_OPT_INT,    /* int * */
+  PD_OPT_DOUBLE, /* double * */
+  PD_OPT_BOOL,   /* bool *, set to true when present */
+  PD_OPT_U64,    /* unsigned long long * */
+} pd_opt_type;
+
+typedef struct pd_opt {
+  const char *name; /* without the leading dashes */
+  pd_opt_type type;
+  void *dst;
+  const char *metavar; /* e.g. "N"; NULL for bools */
+  const char *help;
+  bool *seen; /* optional: set when given */
+} pd_opt;
+
+/* Parses argv[first..argc) against opts (terminated by an entry with name == NULL) after
+ * applying PD_* environment variables. Positional arguments are rejected. */
+pd_status pd_opts_parse(const pd_opt *opts, int argc, char **argv, int first, pd_err *e);
+void pd_opts_usage(FILE *f, const pd_opt *opts);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

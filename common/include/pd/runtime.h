@@ -1,0 +1,53 @@
+/* Everything one process needs to run a model: weights, tokenizer, backend, engine, KV block
+ * pool and scheduler, built from one set of options (pdctl's offline mode and the nodes). */
+#ifndef PD_RUNTIME_H
+#define PD_RUNTIME_H
+
+#include "pd/engine.h"
+#include "pd/kvcache.h"
+#include "pd/model.h"
+#include "pd/opts.h"
+#include "pd/sched.h"
+#include "pd/tokenizer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pd_runtime_opts {
+  const char *model_dir;
+  int threads;          /* CPU threads, 0 = all cores */
+  int block_size;       /* 16 */
+  int kv_cache_tokens;  /* KV capacity in tokens; 0 = derive from kv_cache_mb */
+  int kv_cache_mb;      /* KV budget in MiB when kv_cache_tokens is 0 (default 512) */
+  int max_batch_tokens; /* 2048 */
+  int max_seqs;         /* 256 */
+  int max_model_len;    /* 0 = the model's */
+  bool no_prefix_cache;
+} pd_runtime_opts;
+
+void pd_runtime_opts_default(pd_runtime_opts *o);
+/* The flags above as a pd_opt table fragment (terminated by {0}); dst fields point into o.
+ * --block-size --kv-cache-tokens --kv-cache-mb --max-batch-tokens --max-seqs
+ * --max-model-len --no-prefix-cache --threads. Copy them into a command's own table. */
+int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap);
+
+typedef struct pd_runtime {
+  pd_model *model;
+  pd_tokenizer *tok;
+  pd_backend *be;
+  pd_engine *eng;
+  pd_kv_pool *pool;
+  pd_sched *sched;
+  int32_t eos[PD_MAX_EOS + 1];
+  int n_eos;
+} pd_runtime;
+
+pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_event_fn on_event,
+                          void *user, pd_err *e);
+void pd_runtime_close(pd_runtime *rt);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,723 @@
+/* Continuous batching: see pd/sched.h for the policy. */
+#include "pd/sched.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct sreq sreq;
+
+typedef struct sseq {
+  sreq *req;
+  int index;         /* sample index within the request */
+  uint64_t order;    /* admission order: request arrival, then index */
+  pd_kv_seq *kv;
+  pd_sampler *smp;
+  /* this step */
+  int n_new;         /* tokens scheduled */
+  int sample_row;    /* row in the step's logits, or -1 */
+  int lp_row0;       /* first prompt-logprob row, or -1 */
+  int lp_pos0, lp_count; /* prompt positions covered by those rows */
+} sseq;
+
+struct sreq {
+  uint64_t id;
+  int n, n_prompt, n_generated, max_tokens;
+  uint32_t sample_base;
+  uint64_t cache_salt;
+  bool reserved; /* waiting for its KV (pd_sched_reserve) */
+  pd_sampling_params p;
+  pd_logit_bias *lb;
+  int32_t *stop_ids;
+  sseq **seqs; /* [n]; NULL when not created yet or finished */
+  int n_alive;
+  bool forked;
+  int num_cached;
+  pd_logprobs *prompt_lp; /* [n_prompt - 1] when asked */
+  int prompt_lp_done;     /* positions recorded */
+  bool first_sent;
+  bool counted; /* prompt counted in the stats */
+  bool aborted; /* aborted from an event callback: dropped at the end of the step */
+};
+
+typedef struct seq_list {
+  sseq **v;
+  int n, cap;
+} seq_list;
+
+struct pd_sched {
+  pd_engine *eng;
+  pd_kv_pool *pool;
+  pd_sched_event_fn on_event;
+  void *user;
+  int max_batch_tokens, max_seqs, max_model_len, max_blocks, V;
+  int32_t *eos;
+  int n_eos;
+  seq_list running, waiting, reserved;
+  sreq **reqs;
+  int n_reqs, cap_reqs;
+  uint64_t next_order, salt_counter;
+  pd_sample_ws *ws;
+  /* per-step scratch */
+  int32_t *tokens, *pos, *slots, *qstart, *ctx, *bt, *rows;
+  float *logits;
+  sseq **sched;
+  pd_sched_stats st;
+  bool in_step;
+};
+
+/* ---- small containers ---- */
+
+static bool list_reserve(seq_list *l, int n) {
+  if (n <= l->cap) return true;
+  int cap = l->cap ? l->cap : 16;
+  while (cap < n) cap *= 2;
+  sseq **v = realloc(l->v, (size_t)cap * sizeof *v);
+  if (!v) return false;
+  l->v = v;
+  l->cap = cap;
+  return true;
+}
+
+static bool list_insert(seq_list *l, int at, sseq *q) {
+  if (!list_reserve(l, l->n + 1)) return false;
+  memmove(l->v + at + 1, l->v + at, (size_t)(l->n - at) * sizeof *l->v);
+  l->v[at] = q;
+  l->n++;
+  return true;
+}
+
+static void list_remove_at(seq_list *l, int at) {
+  memmove(l->v + at, l->v + at + 1, (size_t)(l->n - at - 1) * sizeof *l->v);
+  l->n--;
+}
+
+static bool list_remove(seq_list *l, const sseq *q) {
+  for (int i = 0; i < l->n; i++)
+    if (l->v[i] == q) {
+      list_remove_at(l, i);
+      return true;
+    }
+  return false;
+}
+
+/* ---- lifecycle ---- */
+
+pd_sched *pd_sched_create(pd_engine *eng, pd_kv_pool *pool, const pd_sched_opts *o,
+                          pd_sched_event_fn on_event, void *user, pd_err *e) {
+  pd_sched *s = calloc(1, sizeof *s);
+  if (!s) {
+    pd_err_set(e, PD_ENOMEM, "out of memory");
+    return NULL;
+  }
+  const pd_engine_opts *eo = pd_engine_get_opts(eng);
+  s->eng = eng;
+  s->pool = pool;
+  s->on_event = on_event;
+  s->user = user;
+  s->max_batch_tokens = o && o->max_batch_tokens > 0 ? o->max_batch_tokens : eo->max_batch_tokens;
+  if (s->max_batch_tokens > eo->max_batch_tokens) s->max_batch_tokens = eo->max_batch_tokens;
+  s->max_seqs = o && o->max_seqs > 0 ? o->max_seqs : eo->max_seqs;
+  if (s->max_seqs > eo->max_seqs) s->max_seqs = eo->max_seqs;
+  s->max_model_len = eo->max_model_len;
+  s->max_blocks = (eo->max_model_len + eo->block_size - 1) / eo->block_size;
+  s->V = pd_engine_config(eng)->vocab_size;
+  if (pd_kv_pool_block_size(pool) != eo->block_size ||
+      pd_kv_pool_num_blocks(pool) > eo->num_blocks) {
+    pd_err_set(e, PD_EINVAL, "KV pool (%d blocks of %d) does not match the engine (%d of %d)",
+               pd_kv_pool_num_blocks(pool), pd_kv_pool_block_size(pool), eo->num_blocks,
+               eo->block_size);
+    free(s);
+    return NULL;
+  }
+  if (o && o->n_eos > 0) {
+    s->eos = malloc((size_t)o->n_eos * sizeof *s->eos);
+    if (!s->eos) goto oom;
+    memcpy(s->eos, o->eos_ids, (size_t)o->n_eos * sizeof *s->eos);
+    s->n_eos = o->n_eos;
+  }
+  size_t T = (size_t)s->max_batch_tokens, S = (size_t)s->max_seqs;
+  s->tokens = malloc(T * sizeof(int32_t));
+  s->pos = malloc(T * sizeof(int32_t));
+  s->slots = malloc(T * sizeof(int32_t));
+  s->rows = malloc(T * sizeof(int32_t));
+  s->qstart = malloc((S + 1) * sizeof(int32_t));
+  s->ctx = malloc(S * sizeof(int32_t));
+  s->bt = malloc(S * (size_t)s->max_blocks * sizeof(int32_t));
+  s->sched = malloc(S * sizeof *s->sched);
+  s->logits = malloc(T * (size_t)s->V * sizeof(float));
+  if (!s->tokens || !s->pos || !s->slots || !s->rows || !s->qstart || !s->ctx || !s->bt ||
+      !s->sched || !s->logits)
+    goto oom;
+  s->ws = pd_sample_ws_new(s->V, e);
+  if (!s->ws) {
+    pd_sched_free(s);
+    return NULL;
+  }
+  return s;
+oom:
+  pd_err_set(e, PD_ENOMEM, "out of memory");
+  pd_sched_free(s);
+  return NULL;
+}
+
+static void seq_free(sseq *q) {
+  if (!q) return;
+  pd_kv_seq_free(q->kv);
+  pd_sampler_free(q->smp);
+  free(q);
+}
+
+static void req_free(sreq *r) {
+  if (!r) return;
+  for (int i = 0; i < r->n; i++) seq_free(r->seqs[i]);
+  free(r->seqs);
+  free(r->lb);
+  free(r->stop_ids);
+  free(r->prompt_lp);
+  free(r);
+}
+
+void pd_sched_free(pd_sched *s) {
+  if (!s) return;
+  for (int i = 0; i < s->n_reqs; i++) req_free(s->reqs[i]);
+  free(s->reqs);
+  free(s->running.v);
+  free(s->waiting.v);
+  free(s->reserved.v);
+  free(s->eos);
+  free(s->tokens);
+  free(s->pos);
+  free(s->slots);
+  free(s->rows);
+  free(s->qstart);
+  free(s->ctx);
+  free(s->bt);
+  free(s->sched);
+  free(s->logits);
+  pd_sample_ws_free(s->ws);
+  free(s);
+}
+
+static int find_req(const pd_sched *s, uint64_t id) {
+  for (int i = 0; i < s->n_reqs; i++)
+    if (s->reqs[i]->id == id) return i;
+  return -1;
+}
+
+static void drop_req(pd_sched *s, sreq *r) {
+  for (int i = 0; i < r->n; i++)
+    if (r->seqs[i]) {
+      if (!list_remove(&s->running, r->seqs[i]) && !list_remove(&s->waiting, r->seqs[i]))
+        list_remove(&s->reserved, r->seqs[i]);
+    }
+  int k = find_req(s, r->id);
+  if (k >= 0) {
+    memmove(s->reqs + k, s->reqs + k + 1, (size_t)(s->n_reqs - k - 1) * sizeof *s->reqs);
+    s->n_reqs--;
+  }
+  req_free(r);
+}
+
+static sseq *seq_new(pd_sched *s, sreq *r, int index, pd_kv_seq *kv, pd_err *e) {
+  sseq *q = calloc(1, sizeof *q);
+  if (!q) {
+    pd_err_set(e, PD_ENOMEM, "out of memory");
+    return NULL;
+  }
+  q->req = r;
+  q->index = index;
+  q->order = s->next_order++;
+  q->kv = kv;
+  q->smp = pd_sampler_new(&r->p, s->V, s->eos, (size_t)s->n_eos, r->sample_base + (uint32_t)index,
+                          e);
+  bool ok = q->smp &&
+            pd_sampler_add_prompt(q->smp, pd_kv_seq_tokens(kv), (size_t)r->n_prompt, e) == PD_OK;
+  /* tokens generated elsewhere count as output: penalties, max_tokens, random position */
+  for (int i = 0; ok && i < r->n_generated; i++)
+    ok = pd_sampler_accept(q->smp, pd_kv_seq_tokens(kv)[r->n_prompt + i], NULL, e) == PD_OK;
+  if (!ok) {
+    pd_sampler_free(q->smp);
+    free(q);
+    return NULL;
+  }
+  return q;
+}
+
+/* Validates and builds a request with its first sequence (not queued anywhere yet). */
+static sreq *req_build(pd_sched *s, const pd_sched_req *in, bool reserve, pd_err *e) {
+  const pd_sampling_params *params = in->params;
+  int n_prompt = in->n_prompt, n_gen = in->n_generated, n_ctx = n_prompt + n_gen;
+  if (n_prompt <= 0 || n_gen < 0) {
+    pd_err_set(e, PD_EINVAL, "the prompt is empty");
+    return NULL;
+  }
+  if (find_req(s, in->id) >= 0) {
+    pd_err_set(e, PD_EINVAL, "request id %llu is in use", (unsigned long long)in->id);
+    return NULL;
+  }
+  if (pd_sampling_params_validate(params, s->V, e) != PD_OK) return NULL;
+  if ((n_gen > 0 || reserve) && params->n > 1) {
+    pd_err_set(e, PD_EINVAL, "n > 1 is fanned out by the caller here");
+    return NULL;
+  }
+  for (int i = 0; i < n_ctx; i++) {
+    int32_t t = i < n_prompt ? in->prompt[i] : in->generated[i - n_prompt];
+    if (t < 0 || t >= s->V) {
+      pd_err_set(e, PD_EINVAL, "token %d is outside the vocabulary (%d)", t, s->V);
+      return NULL;
+    }
+  }
+  int max_tokens = params->max_tokens < 0 ? s->max_model_len - n_prompt : params->max_tokens;
+  if (n_gen >= max_tokens && max_tokens > 0) {
+    pd_err_set(e, PD_EINVAL, "%d tokens were already generated of max_tokens %d", n_gen,
+               max_tokens);
+    return NULL;
+  }
+  if (n_prompt + (max_tokens > 0 ? max_tokens : 1) > s->max_model_len) {
+    pd_err_set(e, PD_ERANGE,
+               "this request needs %d tokens (%d of prompt + %d to generate), over the "
+               "context length of %d",
+               n_prompt + max_tokens, n_prompt, max_tokens, s->max_model_len);
+    return NULL;
+  }
+  /* Any one sequence must be able to finish alone, or preemption could never make room. */
+  int need = pd_kv_pool_blocks_for_tokens(s->pool, n_prompt + max_tokens);
+  if (need > pd_kv_pool_num_blocks(s->pool)) {
+    pd_err_set(e, PD_ERANGE, "this request needs %d KV blocks but the cache holds only %d",
+               need, pd_kv_pool_num_blocks(s->pool));
+    return NULL;
+  }
+  sreq *r = calloc(1, sizeof *r);
+  int32_t *ctx = malloc((size_t)n_ctx * sizeof *ctx);
+  if (!r || !ctx) goto oom;
+  memcpy(ctx, in->prompt, (size_t)n_prompt * sizeof *ctx);
+  if (n_gen) memcpy(ctx + n_prompt, in->generated, (size_t)n_gen * sizeof *ctx);
+  r->id = in->id;
+  r->n = params->n > 0 ? params->n : 1;
+  r->n_prompt = n_prompt;
+  r->n_generated = n_gen;
+  r->max_tokens = max_tokens;
+  r->sample_base = in->sample_index;
+  r->reserved = reserve;
+  r->p = *params;
+  r->p.max_tokens = max_tokens;
+  r->seqs = calloc((size_t)r->n, sizeof *r->seqs);
+  if (!r->seqs) goto oom;
+  if (params->n_logit_bias) {
+    r->lb = malloc(params->n_logit_bias * sizeof *r->lb);
+    if (!r->lb) goto oom;
+    memcpy(r->lb, params->logit_bias, params->n_logit_bias * sizeof *r->lb);
+    r->p.logit_bias = r->lb;
+  }
+  if (params->n_stop_token_ids) {
+    r->stop_ids = malloc(params->n_stop_token_ids * sizeof *r->stop_ids);
+    if (!r->stop_ids) goto oom;
+    memcpy(r->stop_ids, params->stop_token_ids, params->n_stop_token_ids * sizeof(int32_t));
+    r->p.stop_token_ids = r->stop_ids;
+  }
+  if (params->prompt_logprobs >= 0 && n_prompt > 1) {
+    r->prompt_lp = calloc((size_t)n_prompt - 1, sizeof *r->prompt_lp);
+    if (!r->prompt_lp) goto oom;
+  }
+  /* Prompt logprobs need every prompt position computed, and a reservation's blocks are
+   * written by the transfer: such requests get a cache salt of their own, so they never take
+   * prefix-cache hits. */
+  r->cache_salt = (params->prompt_logprobs >= 0 || reserve) ? (1ull << 63) | ++s->salt_counter
+                                                             : in->cache_salt;
+  pd_kv_seq *kv = pd_kv_seq_create(s->pool, ctx, n_ctx, r->cache_salt, e);
+  free(ctx);
+  ctx = NULL;
+  if (!kv) {
+    req_free(r);
+    return NULL;
+  }
+  sseq *q = seq_new(s, r, 0, kv, e);
+  if (!q) {
+    pd_kv_seq_free(kv);
+    req_free(r);
+    return NULL;
+  }
+  r->seqs[0] = q;
+  r->n_alive = 1;
+  if (s->n_reqs == s->cap_reqs) {
+    int cap = s->cap_reqs ? 2 * s->cap_reqs : 64;
+    sreq **v = realloc(s->reqs, (size_t)cap * sizeof *v);
+    if (!v) goto oom;
+    s->reqs = v;
+    s->cap_reqs = cap;
+  }
+  return r;
+oom:
+  free(ctx);
+  req_free(r);
+  pd_err_set(e, PD_ENOMEM, "out of memory");
+  return NULL;
+}
+
+pd_status pd_sched_add_req(pd_sched *s, const pd_sched_req *in, pd_err *e) {
+  sreq *r = req_build(s, in, false, e);
+  if (!r) return e && e->code ? e->code : PD_EINVAL;
+  if (!list_insert(&s->waiting, s->waiting.n, r->seqs[0])) {
+    req_free(r);
+    return pd_err_set(e, PD_ENOMEM, "out of memory");
+  }
+  s->reqs[s->n_reqs++] = r;
+  return PD_OK;
+}
+
+pd_status pd_sched_add(pd_sched *s, uint64_t id, const int32_t *prompt, int n_prompt,
+                       const pd_sampling_params *params, pd_err *e) {
+  pd_sched_req r = {.id = id, .prompt = prompt, .n_prompt = n_prompt, .params = params};
+  return pd_sched_add_req(s, &r, e);
+}
+
+pd_status pd_sched_reserve(pd_sched *s, const pd_sched_req *in, int32_t *block_ids, int cap,
+                           int *n_blocks, pd_err *e) {
+  int n_ctx = in->n_prompt + in->n_generated;
+  if (n_ctx > s->max_model_len)
+    return pd_err_set(e, PD_ERANGE, "%d context tokens exceed the context length %d", n_ctx,
+                      s->max_model_len);
+  sreq *r = req_build(s, in, true, e);
+  if (!r) return e && e->code ? e->code : PD_EINVAL;
+  sseq *q = r->seqs[0];
+  int need = pd_kv_seq_blocks_needed(q->kv, n_ctx);
+  if (need < 0 || pd_kv_pool_blocks_for_tokens(s->pool, n_ctx) > cap) {
+    req_free(r);
+    return pd_err_set(e, PD_EINVAL, "block id buffer too small");
+  }
+  int32_t *slots = malloc((size_t)n_ctx * sizeof *slots);
+  if (!slots) {
+    req_free(r);
+    return pd_err_set(e, PD_ENOMEM, "out of memory");
+  }
+  pd_status st = need > pd_kv_pool_num_available(s->pool)
+                     ? pd_err_set(e, PD_EFULL, "not enough free KV blocks")
+                     : pd_kv_seq_allocate(q->kv, n_ctx, slots, e);
+  free(slots);
+  if (st == PD_OK && !list_insert(&s->reserved, s->reserved.n, q))
+    st = pd_err_set(e, PD_ENOMEM, "out of memory");
+  if (st != PD_OK) {
+    req_free(r);
+    return st;
+  }
+  *n_blocks = pd_kv_seq_num_blocks(q->kv);
+  memcpy(block_ids, pd_kv_seq_block_table(q->kv), (size_t)*n_blocks * sizeof *block_ids);
+  s->reqs[s->n_reqs++] = r;
+  return PD_OK;
+}
+
+pd_status pd_sched_activate(pd_sched *s, uint64_t id, int32_t next_token, pd_err *e) {
+  int k = find_req(s, id);
+  if (k < 0) return pd_err_set(e, PD_ENOTFOUND, "no reservation %llu", (unsigned long long)id);
+  sreq *r = s->reqs[k];
+  sseq *q = r->seqs[0];
+  if (!r->reserved || !q) return pd_err_set(e, PD_EINVAL, "request %llu is not reserved",
+                                            (unsigned long long)id);
+  if (next_token < 0 || next_token >= s->V)
+    return pd_err_set(e, PD_EINVAL, "token %d is outside the vocabulary", next_token);
+  int n_ctx = r->n_prompt + r->n_generated;
+  pd_status st = pd_kv_seq_commit(q->kv, n_ctx, e);
+  pd_finish_reason fin = PD_FINISH_NONE;
+  if (st == PD_OK) st = pd_sampler_accept(q->smp, next_token, &fin, e);
+  if (st != PD_OK) return st;
+  list_remove(&s->reserved, q);
+  r->reserved = false;
+  r->first_sent = true;
+  if (fin != PD_FINISH_NONE || n_ctx + 1 >= s->max_model_len) { /* nothing left to decode */
+    drop_req(s, r);
+    return PD_OK;
+  }
+  st = pd_kv_seq_append_tokens(q->kv, &next_token, 1, e);
+  int at = s->running.n;
+  while (st == PD_OK && at > 0 && s->running.v[at - 1]->order > q->order) at--;
+  if (st == PD_OK && !list_insert(&s->running, at, q)) st = pd_err_set(e, PD_ENOMEM, "out of memory");
+  if (st != PD_OK) drop_req(s, r);
+  return st;
+}
+
+pd_status pd_sched_abort(pd_sched *s, uint64_t id) {
+  int k = find_req(s, id);
+  if (k < 0 || s->reqs[k]->aborted) return PD_ENOTFOUND;
+  if (s->in_step) {
+    /* called from an event callback: the step still holds pointers to its sequences */
+    s->reqs[k]->aborted = true;
+    return PD_OK;
+  }
+  drop_req(s, s->reqs[k]);
+  return PD_OK;
+}
+
+/* Reserved requests wait for their KV outside the scheduler: they are no work for a step. */
+bool pd_sched_has_work(const pd_sched *s) { return s->running.n + s->waiting.n > 0; }
+
+void pd_sched_get_stats(const pd_sched *s, pd_sched_stats *out) {
+  *out = s->st;
+  out->running = s->running.n;
+  out->waiting = s->waiting.n;
+}
+
+/* ---- one step ---- */
+
+/* Ends sequence q (finished or failed): events already sent; frees its blocks. */
+static void seq_end(pd_sched *s, sseq *q) {
+  sreq *r = q->req;
+  if (!list_remove(&s->running, q)) list_remove(&s->waiting, q);
+  r->seqs[q->index] = NULL;
+  seq_free(q);
+  if (--r->n_alive == 0) drop_req(s, r);
+}
+
+static void preempt(pd_sched *s, sseq *q) {
+  list_remove(&s->running, q);
+  pd_kv_seq_release(q->kv);
+  /* back to the front, keeping admission order among the preempted */
+  int at = 0;
+  while (at < s->waiting.n && s->waiting.v[at]->order < q->order) at++;
+  if (!list_insert(&s->waiting, at, q)) PD_ASSERT(!"waiting list insert failed");
+  s->st.preemptions++;
+}
+
+/* Tokens q wants this step: the rest of its known tokens (prompt chunk) or 1 (decode). */
+static int want(const sseq *q) {
+  return pd_kv_seq_num_tokens(q->kv) - pd_kv_seq_num_computed(q->kv);
+}
+
+static pd_status schedule(pd_sched *s, int *n_sched, int *n_tok, pd_err *e) {
+  int budget = s->max_batch_tokens, ns = 0, nt = 0;
+  bool preempted = false;
+  for (int i = 0; i < s->running.n && budget > 0 && ns < s->max_seqs;) {
+    sseq *q = s->running.v[i];
+    int n = want(q);
+    if (n > budget) n = budget;
+    PD_ASSERT(n > 0);
+    bool scheduled = false;
+    for (;;) {
+      pd_status st = pd_kv_seq_allocate(q->kv, n, s->slots + nt, e);
+      if (st == PD_OK) {
+        scheduled = true;
+        break;
+      }
+      if (st != PD_EFULL) return st;
+      sseq *victim = s->running.v[s->running.n - 1];
+      preempt(s, victim);
+      preempted = true;
+      if (victim == q) break;
+    }
+    if (!scheduled) break; /* q was the newest: nothing after it is left */
+    q->n_new = n;
+    s->sched[ns++] = q;
+    nt += n;
+    budget -= n;
+    i++;
+  }
+  while (!preempted && s->waiting.n > 0 && budget > 0 && ns < s->max_seqs &&
+         s->running.n < s->max_seqs) {
+    sseq *q = s->waiting.v[0];
+    int hit = pd_kv_seq_prefix_hit(q->kv);
+    int n = pd_kv_seq_num_tokens(q->kv) - hit;
+    if (n > budget) n = budget;
+    int need = pd_kv_seq_blocks_needed(q->kv, n);
+    if (need < 0 || need > pd_kv_pool_num_available(s->pool)) break;
+    pd_status st = pd_kv_seq_allocate(q->kv, n, s->slots + nt, e);
+    if (st == PD_EFULL) break;
+    if (st != PD_OK) return st;
+    list_remove_at(&s->waiting, 0);
+    int at = s->running.n;
+    while (at > 0 && s->running.v[at - 1]->order > q->order) at--;
+    if (!list_insert(&s->running, at, q)) return pd_err_set(e, PD_ENOMEM, "out of memory");
+    if (!q->req->counted) {
+      q->req->counted = true;
+      q->req->num_cached = pd_kv_seq_num_computed(q->kv);
+      s->st.prompt_tokens += (uint64_t)q->req->n_prompt;
+      s->st.cached_prompt_tokens += (uint64_t)q->req->num_cached;
+    }
+    q->n_new = n;
+    s->sched[ns++] = q;
+    nt += n;
+    budget -= n;
+  }
+  *n_sched = ns;
+  *n_tok = nt;
+  return PD_OK;
+}
+
+/* Forks the remaining n - 1 samples of q's request off q (end of prompt). */
+static pd_status fork_samples(pd_sched *s, sseq *q, sseq **forks, pd_err *e) {
+  sreq *r = q->req;
+  r->forked = true;
+  for (int i = 1; i < r->n; i++) {
+    pd_kv_seq *kv = pd_kv_seq_fork(q->kv, e);
+    if (!kv) return e ? e->code : PD_ENOMEM;
+    sseq *c = seq_new(s, r, i, kv, e);
+    if (!c) {
+      pd_kv_seq_free(kv);
+      return e ? e->code : PD_ENOMEM;
+    }
+    r->seqs[i] = c;
+    r->n_alive++;
+    if (!list_insert(&s->running, s->running.n, c)) return pd_err_set(e, PD_ENOMEM, "out of memory");
+    forks[i - 1] = c;
+    s->st.forks++;
+  }
+  return PD_OK;
+}
+
+/* Samples, records and reports q's next token from logits row `row`. */
+static pd_status emit(pd_sched *s, sseq *q, const float *row_logits, pd_err *e) {
+  sreq *r = q->req;
+  float *row = (float *)row_logits; /* pd_sample_token restores it bit for bit */
+  int32_t tok;
+  pd_logprobs lp;
+  bool want_lp = r->p.logprobs >= 0;
+  pd_status st = pd_sample_token(q->smp, s->ws, row, &tok, want_lp ? &lp : NULL, e);
+  pd_finish_reason fin = PD_FINISH_NONE;
+  if (st == PD_OK) st = pd_sampler_accept(q->smp, tok, &fin, e);
+  if (st != PD_OK) return st;
+  if (fin == PD_FINISH_NONE && pd_kv_seq_num_tokens(q->kv) + 1 >= s->max_model_len)
+    fin = PD_FINISH_LENGTH;
+  if (fin == PD_FINISH_NONE) {
+    st = pd_kv_seq_append_tokens(q->kv, &tok, 1, e);
+    if (st != PD_OK) return st;
+  }
+  pd_sched_event ev = {.id = r->id, .index = q->index, .token = tok,
+                       .logprobs = want_lp ? &lp : NULL, .finish = fin,
+                       .num_cached_tokens = r->num_cached,
+                       .block_table = pd_kv_seq_block_table(q->kv),
+                       .n_blocks = pd_kv_seq_num_blocks(q->kv),
+                       .n_kv_tokens = pd_kv_seq_num_computed(q->kv)};
+  if (!r->first_sent && q->index == 0) {
+    r->first_sent = true;
+    if (r->prompt_lp) {
+      ev.prompt_logprobs = r->prompt_lp;
+      ev.n_prompt_logprobs = r->n_prompt - 1;
+    }
+  }
+  s->st.generated_tokens++;
+  if (s->on_event) s->on_event(s->user, &ev);
+  if (fin != PD_FINISH_NONE) seq_end(s, q);
+  return PD_OK;
+}
+
+static pd_status step(pd_sched *s, pd_err *e);
+
+pd_status pd_sched_step(pd_sched *s, pd_err *e) {
+  if (!pd_sched_has_work(s)) return PD_OK;
+  s->in_step = true;
+  pd_status st = step(s, e);
+  s->in_step = false;
+  for (int i = 0; i < s->n_reqs;) {
+    if (s->reqs[i]->aborted) {
+      drop_req(s, s->reqs[i]);
+    } else {
+      i++;
+    }
+  }
+  return st;
+}
+
+static pd_status step(pd_sched *s, pd_err *e) {
+  int ns = 0, nt = 0;
+  pd_status st = schedule(s, &ns, &nt, e);
+  if (st != PD_OK) return st;
+  if (ns == 0) {
+    /* Blocks are held only by running sequences; with none scheduled and none running,
+     * the head of the queue cannot be admitted at all, which admission control rules out. */
+    return s->running.n ? PD_OK : pd_err_set(e, PD_EFULL, "no request fits in the KV cache");
+  }
+  /* copy-on-write copies first */
+  const pd_kv_copy *cp;
+  int ncp = pd_kv_pool_copies(s->pool, &cp);
+  if (ncp > 0) {
+    int32_t *src = malloc((size_t)ncp * 2 * sizeof *src);
+    if (!src) return pd_err_set(e, PD_ENOMEM, "out of memory");
+    for (int i = 0; i < ncp; i++) {
+      src[i] = cp[i].src;
+      src[ncp + i] = cp[i].dst;
+    }
+    st = pd_engine_copy_blocks(s->eng, src, src + ncp, ncp, e);
+    free(src);
+    if (st != PD_OK) return st;
+  }
+  pd_kv_pool_copies_done(s->pool);
+
+  /* the ragged batch */
+  int off = 0, n_rows = 0;
+  s->qstart[0] = 0;
+  for (int j = 0; j < ns; j++) {
+    sseq *q = s->sched[j];
+    sreq *r = q->req;
+    int c = pd_kv_seq_num_computed(q->kv), n = q->n_new;
+    const int32_t *toks = pd_kv_seq_tokens(q->kv);
+    memcpy(s->tokens + off, toks + c, (size_t)n * sizeof(int32_t));
+    for (int i = 0; i < n; i++) s->pos[off + i] = c + i;
+    s->qstart[j + 1] = off + n;
+    s->ctx[j] = c + n;
+    int nb = pd_kv_seq_num_blocks(q->kv);
+    int32_t *bt = s->bt + (size_t)j * s->max_blocks;
+    memcpy(bt, pd_kv_seq_block_table(q->kv), (size_t)nb * sizeof *bt);
+    for (int i = nb; i < s->max_blocks; i++) bt[i] = 0;
+    /* prompt logprobs: position p's logits score prompt token p + 1 */
+    q->lp_row0 = -1;
+    q->lp_count = 0;
+    if (r->prompt_lp && q->index == 0) {
+      int p0 = c > r->prompt_lp_done ? c : r->prompt_lp_done;
+      int p1 = c + n < r->n_prompt - 1 ? c + n : r->n_prompt - 1;
+      if (p1 > p0) {
+        q->lp_row0 = n_rows;
+        q->lp_pos0 = p0;
+        q->lp_count = p1 - p0;
+        for (int p = p0; p < p1; p++) s->rows[n_rows++] = off + (p - c);
+      }
+    }
+    q->sample_row = -1;
+    if (c + n == pd_kv_seq_num_tokens(q->kv)) {
+      q->sample_row = n_rows;
+      s->rows[n_rows++] = off + n - 1;
+    }
+    off += n;
+  }
+  pd_batch b = {.n_tokens = nt, .tokens = s->tokens, .positions = s->pos, .slots = s->slots,
+                .n_seqs = ns, .q_start = s->qstart, .ctx_len = s->ctx, .block_tables = s->bt,
+                .max_blocks = s->max_blocks, .n_logits = n_rows, .logit_rows = s->rows};
+  st = pd_engine_forward(s->eng, &b, s->logits, e);
+  if (st != PD_OK) return st;
+  s->st.steps++;
+  s->st.batched_tokens += (uint64_t)nt;
+
+  /* commit, then sample. Forks happen before their parent's token is appended. */
+  for (int j = 0; j < ns; j++) {
+    sseq *q = s->sched[j];
+    st = pd_kv_seq_commit(q->kv, q->n_new, e);
+    if (st != PD_OK) return st;
+    sreq *r = q->req;
+    for (int i = 0; i < q->lp_count; i++) {
+      int p = q->lp_pos0 + i;
+      const float *row = s->logits + (size_t)(q->lp_row0 + i) * s->V;
+      st = pd_logprobs_compute(row, s->V, pd_kv_seq_tokens(q->kv)[p + 1], r->p.prompt_logprobs,
+                               &r->prompt_lp[p], e);
+      if (st != PD_OK) return st;
+      r->prompt_lp_done = p + 1;
+    }
+  }
+  for (int j = 0; j < ns; j++) {
+    sseq *q = s->sched[j];
+    if (q->sample_row < 0 || q->req->aborted) continue;
+    const float *row = s->logits + (size_t)q->sample_row * s->V;
+    sreq *r = q->req;
+    sseq *forks[PD_SAMPLE_MAX_N];
+    int n_forks = 0;
+    if (r->n > 1 && !r->forked) {
+      st = fork_samples(s, q, forks, e);
+      if (st != PD_OK) return st;
+      n_forks = r->n - 1;
+    }
+    st = emit(s, q, row, e); /* may free q (and r, when it was the last) */
+    if (st != PD_OK) return st;
+    for (int i = 0; i < n_forks; i++) {
+      if (forks[i]->req->aborted) break;
+      st = emit(s, forks[i], row, e);
+      if (st != PD_OK) return st;
+    }
+  }
+  return PD_OK;
+}

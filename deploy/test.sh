@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs, builds and runs every test: the Release build (all labels; gpu tests skip without
+# a GPU), then an ASan+UBSan build of the unit, golden and integration tests.
+#   deploy/test.sh [--no-sanitize]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+sanitize=1
+[ "${1:-}" = "--no-sanitize" ] && sanitize=0
+
+deploy/setup.sh
+jobs=$(nproc)
+
+# Python clients the integration tests drive the cluster with (openai, locust, ...): in a
+# virtual environment of the build, never a dependency of the product itself.
+if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get install -y -qq python3-venv >/dev/null
+fi
+if [ ! -x build/pyenv/bin/python3 ]; then
+  python3 -m venv build/pyenv
+fi
+build/pyenv/bin/python3 -m pip install -q --disable-pip-version-check -r tests/integration/requirements.txt
+export PATH="$PWD/build/pyenv/bin:$PATH"
+
+ctest --test-dir build --output-on-failure -j"$jobs"
+
+if [ $sanitize = 1 ]; then
+  PD_SKIP_APT=1 PD_BUILD_DIR=build-asan deploy/setup.sh -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DPD_SANITIZE=address,undefined -DPD_CUDA=OFF
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --test-dir build-asan --output-on-failure -j"$jobs" -L 'unit|golden|integration'
+fi

@@ -1,0 +1,65 @@
+/* pdctl: the command-line tool. Each subcommand lives in its own file. */
+#ifndef PDCTL_H
+#define PDCTL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "pd/engine.h"
+#include "pd/model.h"
+#include "pd/opts.h"
+#include "pd/tokenizer.h"
+
+int cmd_generate(int argc, char **argv);
+int cmd_generate_batch(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
+int cmd_bench_model(int argc, char **argv);
+#ifdef PD_HAVE_NET
+int cmd_cluster(int argc, char **argv); /* cmd_cluster.c: up, status, down */
+int cmd_client(int argc, char **argv);  /* cmd_client.c: the ZeroMQ client API */
+int cmd_bench(int argc, char **argv);   /* cmd_bench.c: serving benchmark over HTTP */
+
+/* http://host[:port][/prefix] (cmd_bench.c). */
+typedef struct pdctl_url {
+  char host[256];
+  int port;
+  char prefix[256]; /* path before /v1/..., "" normally */
+} pdctl_url;
+pd_status pdctl_url_parse(const char *url, pdctl_url *u, pd_err *e);
+/* One blocking HTTP/1.1 exchange with url's server (cmd_bench.c): method path [body as JSON].
+ * Returns the status code and the body (malloc'ed, NUL-terminated, at most 8 MiB kept) in
+ * *resp (may be NULL), or -1 with a message when no answer came within timeout_ms. */
+int pdctl_http(const char *url, const char *method, const char *path, const char *body,
+               const char *api_key, int timeout_ms, char **resp, size_t *resp_len, pd_err *e);
+#endif
+
+/* Prints "pdctl: <msg>" to stderr and returns 1 (the exit status for user errors). */
+int pdctl_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Parses "1,2,3" into a malloc'ed array; NULL with a message on error. */
+int32_t *pdctl_parse_ids(const char *s, size_t *n, pd_err *e);
+double pdctl_now(void);
+
+/* A model, backend and engine serving a few sequences whose blocks are laid out side by side
+ * (sequence s owns blocks [s * max_blocks, (s+1) * max_blocks)). Used by the single-process
+ * commands until the scheduler takes over. */
+typedef struct pdctl_runner {
+  pd_model *model;
+  pd_backend *be;
+  pd_engine *eng;
+  int n_seqs, max_blocks, bs, V;
+  int32_t *bt;  /* [n_seqs, max_blocks] */
+  int32_t *ctx; /* [n_seqs] tokens in the cache */
+  float *logits;
+} pdctl_runner;
+
+int pdctl_runner_open(pdctl_runner *r, const char *model_dir, int n_seqs, int max_len,
+                      int max_batch_tokens, int threads, pd_err *e);
+void pdctl_runner_close(pdctl_runner *r);
+/* Appends toks[0..n) to sequence s in chunks; the logits of its last token go to
+ * r->logits[0..V). */
+pd_status pdctl_runner_feed(pdctl_runner *r, int s, const int32_t *toks, int n, pd_err *e);
+/* One decode step for sequences 0..n_seqs-1 together (toks[s] appended to sequence s);
+ * logits of each in r->logits[s*V ..]. */
+pd_status pdctl_runner_step(pdctl_runner *r, const int32_t *toks, pd_err *e);
+
+#endif
