@@ -1,86 +1,122 @@
-/* pdctl bench-model: prefill and decode tokens/s of a model on this machine's CPU backend.
+/* pdctl bench-model: throughput of a model on this machine, through the real scheduler.
  *
- * Prefill: each of B sequences gets a prompt of --prompt-len random token ids, fed in
- * --max-batch-tokens chunks (one forward per chunk), timed end to end.
- * Decode: then --decode-tokens steps, each one forward over all B sequences (one new token
- * each), timed end to end. Best of --repeat runs is reported. */
+ * For each concurrency B: B requests with random prompts of --prompt-len tokens and
+ * --decode-tokens outputs (ignore_eos) are queued at once with --max-seqs B. Reported:
+ *   prefill tok/s: B * prompt_len / (time until every request has its first token)
+ *   decode tok/s:  tokens generated after that / the time they took (steady-state decode)
+ *   total tok/s:   all generated tokens / the whole run (offline throughput)
+ * Best of --repeat runs. Prefix caching is off so repeated runs measure real work. */
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd/runtime.h"
 #include "pdctl.h"
 
 typedef struct result {
   int batch;
-  double prefill_tps, decode_tps, decode_ms_per_step;
+  double prefill_tps, decode_tps, total_tps, step_ms;
 } result;
 
-static int run_one(const char *model, int batch, int prompt_len, int gen, int chunk,
-                   int threads, int repeat, result *out, const char **isa) {
-  pdctl_runner r;
+typedef struct counter {
+  uint64_t generated;
+  uint64_t base;     /* id of this run's first request */
+  int n_first;       /* requests that have their first token */
+  unsigned char *seen; /* [batch] */
+} counter;
+
+static void on_event(void *user, const pd_sched_event *ev) {
+  counter *c = user;
+  if (ev->token < 0) return;
+  c->generated++;
+  if (!c->seen[ev->id - c->base]) {
+    c->seen[ev->id - c->base] = 1;
+    c->n_first++;
+  }
+}
+
+static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int repeat,
+                   result *out, const char **isa) {
+  counter cnt = {0};
+  pd_runtime rt;
   pd_err e = {0};
-  if (pdctl_runner_open(&r, model, batch, prompt_len + gen, chunk, threads, &e))
-    return pdctl_fail("%s", e.msg);
-  *isa = pd_backend_cpu_isa(r.be);
+  ro.max_seqs = batch;
+  ro.no_prefix_cache = true;
+  if (!ro.kv_cache_tokens) ro.kv_cache_tokens = batch * (prompt_len + gen + 16);
+  if (pd_runtime_open(&rt, &ro, on_event, &cnt, &e) != PD_OK) return pdctl_fail("%s", e.msg);
+  *isa = pd_backend_cpu_isa(rt.be);
+  int V = rt.model->cfg.vocab_size;
   int32_t *prompt = malloc((size_t)prompt_len * sizeof *prompt);
-  int32_t *toks = malloc((size_t)batch * sizeof *toks);
-  if (!prompt || !toks) return pdctl_fail("out of memory");
+  cnt.seen = calloc((size_t)batch, 1);
+  if (!prompt || !cnt.seen) return pdctl_fail("out of memory");
   unsigned seed = 12345;
+  memset(out, 0, sizeof *out);
   out->batch = batch;
-  out->prefill_tps = out->decode_tps = 0;
+  uint64_t next_id = 0;
   for (int rep = 0; rep < repeat; rep++) {
-    for (int s = 0; s < batch; s++) r.ctx[s] = 0;
-    double t0 = pdctl_now();
+    cnt.base = next_id;
+    cnt.n_first = 0;
+    memset(cnt.seen, 0, (size_t)batch);
     for (int s = 0; s < batch; s++) {
       for (int i = 0; i < prompt_len; i++) {
         seed = seed * 1103515245u + 12345u;
-        prompt[i] = (int32_t)((seed >> 8) % (unsigned)r.V);
+        prompt[i] = (int32_t)((seed >> 8) % (unsigned)V);
       }
-      if (pdctl_runner_feed(&r, s, prompt, prompt_len, &e) != PD_OK)
+      pd_sampling_params p;
+      pd_sampling_params_init(&p);
+      p.temperature = 0;
+      p.max_tokens = gen;
+      p.ignore_eos = true;
+      if (pd_sched_add(rt.sched, next_id++, prompt, prompt_len, &p, &e) != PD_OK)
         return pdctl_fail("%s", e.msg);
     }
-    double t1 = pdctl_now();
-    for (int s = 0; s < batch; s++) toks[s] = (int32_t)(s % r.V);
-    for (int i = 0; i < gen; i++) {
-      if (pdctl_runner_step(&r, toks, &e) != PD_OK) return pdctl_fail("%s", e.msg);
-      for (int s = 0; s < batch; s++) {
-        const float *lg = r.logits + (size_t)s * r.V;
-        int best = 0;
-        for (int v = 1; v < r.V; v++)
-          if (lg[v] > lg[best]) best = v;
-        toks[s] = best;
+    cnt.generated = 0;
+    double t0 = pdctl_now(), t1 = 0;
+    uint64_t at_t1 = 0, steps = 0, steps_t1 = 0;
+    while (pd_sched_has_work(rt.sched)) {
+      if (pd_sched_step(rt.sched, &e) != PD_OK) return pdctl_fail("%s", e.msg);
+      steps++;
+      if (!t1 && cnt.n_first == batch) { /* every request has its first token */
+        t1 = pdctl_now();
+        at_t1 = cnt.generated;
+        steps_t1 = steps;
       }
     }
     double t2 = pdctl_now();
-    double p = (double)batch * prompt_len / (t1 - t0), d = (double)batch * gen / (t2 - t1);
+    double p = (double)batch * prompt_len / (t1 - t0);
+    double d = t2 > t1 ? (double)(cnt.generated - at_t1) / (t2 - t1) : 0;
+    double tot = (double)cnt.generated / (t2 - t0);
     if (p > out->prefill_tps) out->prefill_tps = p;
     if (d > out->decode_tps) {
       out->decode_tps = d;
-      out->decode_ms_per_step = 1e3 * (t2 - t1) / gen;
+      out->step_ms = steps > steps_t1 ? 1e3 * (t2 - t1) / (double)(steps - steps_t1) : 0;
     }
+    if (tot > out->total_tps) out->total_tps = tot;
   }
   free(prompt);
-  free(toks);
-  pdctl_runner_close(&r);
+  free(cnt.seen);
+  pd_runtime_close(&rt);
   return 0;
 }
 
 int cmd_bench_model(int argc, char **argv) {
+  pd_runtime_opts ro;
+  pd_runtime_opts_default(&ro);
+  ro.kv_cache_tokens = 0;
   const char *model = NULL, *batches = "1";
-  int prompt_len = 512, gen = 128, chunk = 512, threads = 0, repeat = 3;
+  int prompt_len = 512, gen = 128, repeat = 3;
   bool json = false, help = false;
-  pd_opt opts[] = {
+  pd_opt opts[32] = {
       {"model", PD_OPT_STR, &model, "DIR", "model folder", NULL},
       {"batch", PD_OPT_STR, &batches, "B[,B...]", "concurrent sequences (default 1)", NULL},
       {"prompt-len", PD_OPT_INT, &prompt_len, "N", "prompt tokens per sequence (512)", NULL},
-      {"decode-tokens", PD_OPT_INT, &gen, "N", "decode steps (128)", NULL},
-      {"max-batch-tokens", PD_OPT_INT, &chunk, "N", "tokens per prefill forward (512)", NULL},
-      {"threads", PD_OPT_INT, &threads, "N", "CPU threads (0 = all cores)", NULL},
+      {"decode-tokens", PD_OPT_INT, &gen, "N", "tokens generated per sequence (128)", NULL},
       {"repeat", PD_OPT_INT, &repeat, "N", "runs; the best is reported (3)", NULL},
       {"json", PD_OPT_BOOL, &json, NULL, "print JSON", NULL},
       {"help", PD_OPT_BOOL, &help, NULL, "show this help", NULL},
-      {0}};
+  };
+  if (pd_runtime_opts_table(&ro, opts + 7, 32 - 7) < 0) return pdctl_fail("option table");
   pd_err e = {0};
   if (pd_opts_parse(opts, argc, argv, 2, &e) != PD_OK) return pdctl_fail("%s", e.msg);
   if (help) {
@@ -89,30 +125,32 @@ int cmd_bench_model(int argc, char **argv) {
     return 0;
   }
   if (!model) return pdctl_fail("bench-model needs --model DIR");
-  if (prompt_len < 1 || gen < 1 || chunk < 1 || repeat < 1 || threads < 0)
-    return pdctl_fail("--prompt-len, --decode-tokens, --max-batch-tokens and --repeat must be "
-                      "positive");
+  if (prompt_len < 1 || gen < 2 || repeat < 1)
+    return pdctl_fail("--prompt-len and --repeat must be positive, --decode-tokens at least 2");
+  ro.model_dir = model;
   size_t nb = 0;
   int32_t *bl = pdctl_parse_ids(batches, &nb, &e);
   if (!bl || nb == 0) return pdctl_fail("--batch: %s", bl ? "empty list" : e.msg);
   cJSON *arr = cJSON_CreateArray();
   const char *isa = "?";
   if (!json)
-    printf("%8s %16s %16s %14s\n", "batch", "prefill tok/s", "decode tok/s", "ms/step");
+    printf("%8s %15s %15s %15s %10s\n", "batch", "prefill tok/s", "decode tok/s", "total tok/s",
+           "ms/step");
   for (size_t i = 0; i < nb; i++) {
     if (bl[i] < 1) return pdctl_fail("--batch values must be positive");
-    result res = {0};
-    if (run_one(model, bl[i], prompt_len, gen, chunk, threads, repeat, &res, &isa)) return 1;
+    result res;
+    if (run_one(ro, bl[i], prompt_len, gen, repeat, &res, &isa)) return 1;
     if (json) {
       cJSON *o = cJSON_CreateObject();
       cJSON_AddNumberToObject(o, "batch", res.batch);
       cJSON_AddNumberToObject(o, "prefill_tokens_per_s", res.prefill_tps);
       cJSON_AddNumberToObject(o, "decode_tokens_per_s", res.decode_tps);
-      cJSON_AddNumberToObject(o, "decode_ms_per_step", res.decode_ms_per_step);
+      cJSON_AddNumberToObject(o, "total_tokens_per_s", res.total_tps);
+      cJSON_AddNumberToObject(o, "decode_ms_per_step", res.step_ms);
       cJSON_AddItemToArray(arr, o);
     } else {
-      printf("%8d %16.0f %16.0f %14.3f\n", res.batch, res.prefill_tps, res.decode_tps,
-             res.decode_ms_per_step);
+      printf("%8d %15.0f %15.0f %15.0f %10.3f\n", res.batch, res.prefill_tps, res.decode_tps,
+             res.total_tps, res.step_ms);
       fflush(stdout);
     }
   }
@@ -128,8 +166,9 @@ int cmd_bench_model(int argc, char **argv) {
     free(s);
     cJSON_Delete(o);
   } else {
-    printf("(CPU backend, %s kernels, prompt %d, %d decode steps, best of %d)\n", isa,
-           prompt_len, gen, repeat);
+    printf("(CPU backend, %s kernels, %d threads, prompt %d, %d generated per sequence, best of "
+           "%d)\n",
+           isa, ro.threads, prompt_len, gen, repeat);
     cJSON_Delete(arr);
   }
   free(bl);
