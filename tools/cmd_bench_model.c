@@ -45,7 +45,7 @@ static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int r
   ro.no_prefix_cache = true;
   if (!ro.kv_cache_tokens) ro.kv_cache_tokens = batch * (prompt_len + gen + 16);
   if (pd_runtime_open(&rt, &ro, on_event, &cnt, &e) != PD_OK) return pdctl_fail("%s", e.msg);
-  *isa = pd_backend_cpu_isa(rt.be);
+  *isa = strcmp(rt.be->ops.name, "cpu") == 0 ? pd_backend_cpu_isa(rt.be) : rt.be->ops.name;
   int V = rt.model->cfg.vocab_size;
   int32_t *prompt = malloc((size_t)prompt_len * sizeof *prompt);
   cnt.seen = calloc((size_t)batch, 1);
@@ -166,9 +166,9 @@ int cmd_bench_model(int argc, char **argv) {
     free(s);
     cJSON_Delete(o);
   } else {
-    printf("(CPU backend, %s kernels, %d threads, prompt %d, %d generated per sequence, best of "
-           "%d)\n",
-           isa, ro.threads, prompt_len, gen, repeat);
+    printf("(%s backend, %s kernels, %d threads, prompt %d, %d generated per sequence, best "
+           "of %d)\n",
+           ro.device, isa, ro.threads, prompt_len, gen, repeat);
     cJSON_Delete(arr);
   }
   free(bl);

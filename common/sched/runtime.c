@@ -1,6 +1,9 @@
 #include "pd/runtime.h"
 
+#include <stdlib.h>
 #include <string.h>
+
+#include "pd/backend_cuda.h"
 
 void pd_runtime_opts_default(pd_runtime_opts *o) {
   memset(o, 0, sizeof *o);
@@ -8,11 +11,19 @@ void pd_runtime_opts_default(pd_runtime_opts *o) {
   o->kv_cache_mb = 512;
   o->max_batch_tokens = 2048;
   o->max_seqs = 256;
+  o->device = "cpu";
+  o->kv_cache_dtype = "auto";
+  o->gpu_memory_utilization = 0.9;
 }
 
 int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap) {
   const pd_opt t[] = {
+      {"device", PD_OPT_STR, &o->device, "DEV", "cpu (default) or cuda[:N]", NULL},
       {"threads", PD_OPT_INT, &o->threads, "N", "CPU threads (0 = all cores)", NULL},
+      {"kv-cache-dtype", PD_OPT_STR, &o->kv_cache_dtype, "T",
+       "auto (f32 on CPU, bf16 on GPU), f32, bf16, f16", NULL},
+      {"gpu-memory-utilization", PD_OPT_DOUBLE, &o->gpu_memory_utilization, "F",
+       "GPU: fraction of device memory for weights and KV cache (0.9)", NULL},
       {"block-size", PD_OPT_INT, &o->block_size, "N", "tokens per KV block (16)", NULL},
       {"kv-cache-tokens", PD_OPT_INT, &o->kv_cache_tokens, "N",
        "KV cache capacity in tokens (default: from --kv-cache-mb)", NULL},
@@ -54,9 +65,39 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
   for (int i = 0; i < rt->n_eos; i++) dup |= rt->eos[i] == te;
   if (!dup) rt->eos[rt->n_eos++] = te;
 
-  pd_backend_opts bo = {.n_threads = o->threads};
-  rt->be = pd_backend_cpu_create(&bo, e);
+  /* backend */
+  bool gpu = false;
+  int dev = 0;
+  if (o->device && strncmp(o->device, "cuda", 4) == 0) {
+    gpu = true;
+    if (o->device[4] == ':') {
+      char *end;
+      long d = strtol(o->device + 5, &end, 10);
+      if (*end || end == o->device + 5 || d < 0 || d > 1024) {
+        pd_err_set(e, PD_EINVAL, "--device '%s': expected cuda:N", o->device);
+        goto fail;
+      }
+      dev = (int)d;
+    } else if (o->device[4]) {
+      pd_err_set(e, PD_EINVAL, "--device '%s': expected cpu or cuda[:N]", o->device);
+      goto fail;
+    }
+  } else if (o->device && strcmp(o->device, "cpu") != 0) {
+    pd_err_set(e, PD_EINVAL, "--device '%s': expected cpu or cuda[:N]", o->device);
+    goto fail;
+  }
+  pd_backend_opts bo = {.n_threads = o->threads, .device = dev};
+  rt->be = gpu ? pd_backend_cuda_create(&bo, e) : pd_backend_cpu_create(&bo, e);
   if (!rt->be) goto fail;
+  pd_dtype kv_dt = gpu ? PD_DTYPE_BF16 : PD_DTYPE_F32;
+  const char *kd = o->kv_cache_dtype ? o->kv_cache_dtype : "auto";
+  if (!strcmp(kd, "f32")) kv_dt = PD_DTYPE_F32;
+  else if (!strcmp(kd, "bf16")) kv_dt = PD_DTYPE_BF16;
+  else if (!strcmp(kd, "f16")) kv_dt = PD_DTYPE_F16;
+  else if (strcmp(kd, "auto") != 0) {
+    pd_err_set(e, PD_EINVAL, "--kv-cache-dtype '%s': expected auto, f32, bf16 or f16", kd);
+    goto fail;
+  }
   int max_len = o->max_model_len ? o->max_model_len : c->max_position_embeddings;
   if (max_len > c->max_position_embeddings) {
     pd_err_set(e, PD_EINVAL, "--max-model-len %d exceeds the model's %d", max_len,
@@ -64,11 +105,30 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
     goto fail;
   }
   size_t block_bytes = pd_kv_block_bytes(c->num_layers, c->num_kv_heads, c->head_dim,
-                                         o->block_size, PD_DTYPE_F32);
+                                         o->block_size, kv_dt);
+  size_t budget = (size_t)o->kv_cache_mb << 20;
+  if (gpu && !o->kv_cache_tokens && rt->be->ops.mem_info) {
+    /* vLLM's rule: weights + activations + KV within utilization * total device memory */
+    size_t free_b = 0, total_b = 0, weights = 0;
+    rt->be->ops.mem_info(rt->be, &free_b, &total_b);
+    for (size_t i = 0; i < pd_st_count(rt->model->st); i++) weights += pd_st_at(rt->model->st, i)->nbytes;
+    size_t acts = (size_t)o->max_batch_tokens *
+                  ((size_t)c->vocab_size + 8 * (size_t)c->hidden_size + 3 * (size_t)c->intermediate_size) *
+                  sizeof(float);
+    double want = o->gpu_memory_utilization * (double)total_b - (double)(total_b - free_b) -
+                  (double)weights - (double)acts - (double)(256u << 20);
+    if (o->gpu_memory_utilization <= 0 || o->gpu_memory_utilization > 1 || want <= 0) {
+      pd_err_set(e, PD_EINVAL,
+                 "--gpu-memory-utilization %.2f leaves no room for the KV cache (%.1f GiB free, "
+                 "%.1f GiB of weights)",
+                 o->gpu_memory_utilization, free_b / 1073741824.0, weights / 1073741824.0);
+      goto fail;
+    }
+    budget = (size_t)want;
+  }
   int num_blocks = o->kv_cache_tokens
                        ? (o->kv_cache_tokens + o->block_size - 1) / o->block_size
-                       : pd_kv_num_blocks_for_budget((size_t)o->kv_cache_mb << 20, block_bytes,
-                                                     o->block_size);
+                       : pd_kv_num_blocks_for_budget(budget, block_bytes, o->block_size);
   if (num_blocks < 1) {
     pd_err_set(e, PD_EINVAL, "the KV cache budget holds not even one block");
     goto fail;
@@ -80,6 +140,7 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
   eo.max_batch_tokens = o->max_batch_tokens;
   eo.max_seqs = o->max_seqs;
   eo.max_model_len = max_len;
+  eo.kv_dtype = kv_dt;
   rt->eng = pd_engine_create(rt->model, rt->be, &eo, e);
   if (!rt->eng) goto fail;
   pd_kv_pool_opts po = {.num_blocks = num_blocks, .block_size = o->block_size,

@@ -16,10 +16,13 @@ extern "C" {
 
 typedef struct pd_runtime_opts {
   const char *model_dir;
+  const char *device;   /* "cpu" (default) or "cuda", "cuda:N" */
+  const char *kv_cache_dtype; /* "auto" (f32 on the CPU, bf16 on GPUs), "f32", "bf16", "f16" */
+  double gpu_memory_utilization; /* GPU: fraction of device memory for weights + KV (0.9) */
   int threads;          /* CPU threads, 0 = all cores */
   int block_size;       /* 16 */
   int kv_cache_tokens;  /* KV capacity in tokens; 0 = derive from kv_cache_mb */
-  int kv_cache_mb;      /* KV budget in MiB when kv_cache_tokens is 0 (default 512) */
+  int kv_cache_mb;      /* CPU: KV budget in MiB when kv_cache_tokens is 0 (default 512) */
   int max_batch_tokens; /* 2048 */
   int max_seqs;         /* 256 */
   int max_model_len;    /* 0 = the model's */

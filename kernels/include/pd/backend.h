@@ -67,6 +67,8 @@ typedef struct pd_backend_ops {
   void (*to_device)(pd_backend *be, void *dst, const void *host_src, size_t bytes);
   void (*to_host)(pd_backend *be, void *host_dst, const void *src, size_t bytes);
   void (*sync)(pd_backend *be);
+  /* Optional (may be NULL): free and total bytes of the backend's memory (device backends). */
+  void (*mem_info)(pd_backend *be, size_t *free_bytes, size_t *total_bytes);
   /* Optional (may be NULL): copy between two backend buffers. */
   void (*copy)(pd_backend *be, void *dst, const void *src, size_t bytes);
 
