@@ -1,0 +1,333 @@
+/* Paged causal attention for prefill and mixed batches, FlashAttention-2 style on bf16 tensor
+ * cores (mma.sync m16n8k16, f32 accumulate).
+ *
+ * Work unit: one tile of BM = 64 rows of one sequence and one KV head, a row being a (new token,
+ * query head of the group) pair, pair p = token * group + head: GQA heads share the K/V tiles
+ * that way. Tiles are numbered over the batch by a prefix sum of ceil(n_new * group / BM) (a
+ * one-block scan kernel), and each block finds its sequence by binary search, so the host needs
+ * no per-sequence metadata. grid = (tile bound, KV heads, splits).
+ *
+ * Per block, 4 warps of 16 rows: Q is staged through shared memory into bf16 A fragments held in
+ * registers; then for each tile of BN = 64 keys in the row range's causal / sliding-window span
+ * (and in this block's split of it), K and V rows are fetched through the block table (16-byte
+ * loads, converted to bf16 from the cache dtype) into shared memory, S = Q K^T runs on the tensor
+ * cores, the mask and an online softmax (log2 domain) are applied in registers, P is repacked
+ * in registers as the A operand of O += P V, V's B fragments coming from ldmatrix.trans.
+ * Finally O / l is written (one split) or O and (m, l) go to the split partials. */
+#include <cub/block/block_scan.cuh>
+#include <math.h>
+
+#include "cuda_internal.h"
+
+namespace {
+
+constexpr int BM = PD_CUDA_ATTN_BM;
+constexpr int BN = 64;
+constexpr int kThreads = 128;
+
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0,
+                                          uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void *p) {
+  uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+
+__device__ __forceinline__ uint32_t lds32(const __nv_bfloat16 *p) {
+  return *reinterpret_cast<const uint32_t *>(p);
+}
+
+/* 16 bytes of cache row -> bf16 in shared memory. f32: 4 elements (8 bytes out); 16-bit types: 8
+ * elements (16 bytes out). */
+__device__ __forceinline__ void stage16(__nv_bfloat16 *dst, const float *src) {
+  float4 v = __ldg(reinterpret_cast<const float4 *>(src));
+  uint2 o = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+  *reinterpret_cast<uint2 *>(dst) = o;
+}
+__device__ __forceinline__ void stage16(__nv_bfloat16 *dst, const __nv_bfloat16 *src) {
+  *reinterpret_cast<uint4 *>(dst) = __ldg(reinterpret_cast<const uint4 *>(src));
+}
+__device__ __forceinline__ void stage16(__nv_bfloat16 *dst, const __half *src) {
+  float f[8];
+  pd_load8(src, f);
+  uint4 o = make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]),
+                       pack_bf16(f[6], f[7]));
+  *reinterpret_cast<uint4 *>(dst) = o;
+}
+__device__ __forceinline__ void zero16(__nv_bfloat16 *dst, int bytes_out) {
+  if (bytes_out == 8)
+    *reinterpret_cast<uint2 *>(dst) = make_uint2(0, 0);
+  else
+    *reinterpret_cast<uint4 *>(dst) = make_uint4(0, 0, 0, 0);
+}
+
+/* tile_start[s] = sum over s' < s of ceil(n_new(s') * group / BM); tile_start[n_seqs] = total. */
+__global__ void __launch_bounds__(1024)
+tile_scan_kernel(int32_t *tile_start, const int32_t *__restrict__ q_start, int n_seqs, int group) {
+  using Scan = cub::BlockScan<int, 1024>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int base = 0; base < n_seqs; base += 1024) {
+    const int i = base + threadIdx.x;
+    const int v = i < n_seqs ? ((q_start[i + 1] - q_start[i]) * group + BM - 1) / BM : 0;
+    int excl, agg;
+    Scan(tmp).ExclusiveSum(v, excl, agg);
+    if (i < n_seqs) tile_start[i] = carry + excl;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += agg;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) tile_start[n_seqs] = carry;
+}
+
+template <int HD, typename KT>
+__global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) {
+  constexpr int KS = HD / 16; /* k-steps of Q K^T */
+  constexpr int NT = BN / 8;  /* 8-key column tiles of S */
+  constexpr int DT = HD / 8;  /* 8-dim column tiles of O */
+  constexpr int LD = HD + 8;  /* smem row stride (bf16): conflict-free fragment loads */
+  constexpr int EPC = 16 / (int)sizeof(KT); /* cache elements per 16-byte load */
+  constexpr int CPR = HD / EPC;             /* 16-byte loads per cache row */
+  static_assert(HD % 16 == 0 && DT % 2 == 0, "head dim must be a multiple of 16");
+  __shared__ __align__(16) __nv_bfloat16 sK[BN * LD]; /* also stages Q */
+  __shared__ __align__(16) __nv_bfloat16 sV[BN * LD];
+  __shared__ long long sRow[BN]; /* element offset of each key's row in the cache; -1: none */
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, lg = lane >> 2, lt = lane & 3;
+  const int bx = blockIdx.x;
+  if (bx >= a.tile_start[a.n_seqs]) return;
+  int s = 0, hi_s = a.n_seqs - 1;
+  while (s < hi_s) {
+    int mid = (s + hi_s + 1) / 2;
+    if (a.tile_start[mid] <= bx)
+      s = mid;
+    else
+      hi_s = mid - 1;
+  }
+  const int tile = bx - a.tile_start[s];
+  const int g = blockIdx.y, split = blockIdx.z, G = a.group;
+  const int nq = a.n_q_heads, nkv = a.n_kv_heads, bs = a.block_size;
+  const int qs = a.q_start[s], n_new = a.q_start[s + 1] - qs, L = a.ctx_len[s];
+  const int pairs = n_new * G, p0 = tile * BM;
+  const int p_last = (p0 + BM < pairs ? p0 + BM : pairs) - 1;
+  const int base = L - n_new; /* position of the sequence's first new token */
+  const int pmin = base + p0 / G, pmax = base + p_last / G;
+  const int klo = a.window > 0 && pmin - a.window + 1 > 0 ? pmin - a.window + 1 : 0;
+  const int khi = pmax + 1;
+  const long long kb_l = (long long)klo + (long long)split * a.split_len;
+  const int kb = kb_l < khi ? (int)kb_l : khi;
+  const int ke = kb_l + a.split_len < khi ? (int)(kb_l + a.split_len) : khi;
+
+  /* This thread's two rows (C-fragment rows lg and lg + 8 of its warp's 16). */
+  const int rA = warp * 16 + lg, rB = rA + 8;
+  const int pA = p0 + rA, pB = p0 + rB;
+  const bool vA = pA < pairs, vB = pB < pairs;
+  const int posA = base + (vA ? pA : p_last) / G, posB = base + (vB ? pB : p_last) / G;
+  const size_t rowA = vA ? (size_t)(qs + pA / G) * nq + g * G + pA % G : 0;
+  const size_t rowB = vB ? (size_t)(qs + pB / G) * nq + g * G + pB % G : 0;
+
+  if (kb >= ke) { /* empty split (n_splits > 1 only) */
+    if (lt == 0) {
+      if (vA) a.part_ml[(size_t)split * a.n_tokens * nq + rowA] = make_float2(-INFINITY, 0.0f);
+      if (vB) a.part_ml[(size_t)split * a.n_tokens * nq + rowB] = make_float2(-INFINITY, 0.0f);
+    }
+    return;
+  }
+
+  /* ---- Q -> bf16 A fragments (staged through sK) */
+  for (int i = tid; i < BM * (HD / 4); i += kThreads) {
+    const int r = i / (HD / 4), c4 = i - r * (HD / 4), p = p0 + r;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (p < pairs)
+      v = __ldg(reinterpret_cast<const float4 *>(
+                    a.q + ((size_t)(qs + p / G) * nq + g * G + p % G) * HD) + c4);
+    *reinterpret_cast<uint2 *>(&sK[r * LD + c4 * 4]) =
+        make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+  }
+  __syncthreads();
+  uint32_t qa[KS][4];
+#pragma unroll
+  for (int ks = 0; ks < KS; ks++) {
+    qa[ks][0] = lds32(&sK[rA * LD + ks * 16 + lt * 2]);
+    qa[ks][1] = lds32(&sK[rB * LD + ks * 16 + lt * 2]);
+    qa[ks][2] = lds32(&sK[rA * LD + ks * 16 + lt * 2 + 8]);
+    qa[ks][3] = lds32(&sK[rB * LD + ks * 16 + lt * 2 + 8]);
+  }
+  __syncthreads();
+
+  float o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+  float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
+  const float sl2 = a.scale * PD_LOG2E;
+  const KT *kc = static_cast<const KT *>(a.k), *vc = static_cast<const KT *>(a.v);
+  const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
+  const int win = a.window;
+
+  for (int kt = kb; kt < ke; kt += BN) {
+    if (tid < BN) {
+      const int kp = kt + tid;
+      sRow[tid] = kp < ke ? (((long long)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD : -1LL;
+    }
+    __syncthreads();
+    for (int i = tid; i < BN * CPR; i += kThreads) {
+      const int r = i / CPR, c = i - r * CPR;
+      const long long off = sRow[r];
+      __nv_bfloat16 *dk = &sK[r * LD + c * EPC], *dv = &sV[r * LD + c * EPC];
+      if (off >= 0) {
+        stage16(dk, kc + off + c * EPC);
+        stage16(dv, vc + off + c * EPC);
+      } else {
+        zero16(dk, EPC * 2);
+        zero16(dv, EPC * 2);
+      }
+    }
+    __syncthreads();
+
+    /* S = Q K^T for this warp's 16 rows x BN keys */
+    float sa[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+      sa[nt][0] = sa[nt][1] = sa[nt][2] = sa[nt][3] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ks++) {
+        const __nv_bfloat16 *kr = &sK[(nt * 8 + lg) * LD + ks * 16 + lt * 2];
+        mma_16816(sa[nt], qa[ks], lds32(kr), lds32(kr + 8));
+      }
+    }
+    /* mask, scale to log2 units, row maxima (a row lives in the 4 lanes of a quad) */
+    float mxA = -INFINITY, mxB = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int kp = kt + nt * 8 + lt * 2 + e;
+        const bool okA = kp < ke && kp <= posA && (win <= 0 || kp > posA - win);
+        const bool okB = kp < ke && kp <= posB && (win <= 0 || kp > posB - win);
+        sa[nt][e] = okA ? sa[nt][e] * sl2 : -INFINITY;
+        sa[nt][2 + e] = okB ? sa[nt][2 + e] * sl2 : -INFINITY;
+        mxA = fmaxf(mxA, sa[nt][e]);
+        mxB = fmaxf(mxB, sa[nt][2 + e]);
+      }
+    }
+    mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+    mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+    const float mnA = fmaxf(mA, mxA), mnB = fmaxf(mB, mxB);
+    /* a row with no key yet keeps max -inf: use 0 as the offset so exp2 gives 0, not NaN */
+    const float muA = mnA == -INFINITY ? 0.0f : mnA, muB = mnB == -INFINITY ? 0.0f : mnB;
+    const float corrA = exp2f(mA - muA), corrB = exp2f(mB - muB);
+    mA = mnA;
+    mB = mnB;
+    float sumA = 0.0f, sumB = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+      sa[nt][0] = exp2f(sa[nt][0] - muA);
+      sa[nt][1] = exp2f(sa[nt][1] - muA);
+      sa[nt][2] = exp2f(sa[nt][2] - muB);
+      sa[nt][3] = exp2f(sa[nt][3] - muB);
+      sumA += sa[nt][0] + sa[nt][1];
+      sumB += sa[nt][2] + sa[nt][3];
+    }
+    lA = lA * corrA + sumA; /* per-thread partial sums; the quad is summed at the end */
+    lB = lB * corrB + sumB;
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+      o[dt][0] *= corrA;
+      o[dt][1] *= corrA;
+      o[dt][2] *= corrB;
+      o[dt][3] *= corrB;
+    }
+    /* O += P V: P's C fragments are the A fragments of the next product */
+#pragma unroll
+    for (int j = 0; j < BN / 16; j++) {
+      uint32_t pa[4];
+      pa[0] = pack_bf16(sa[2 * j][0], sa[2 * j][1]);
+      pa[1] = pack_bf16(sa[2 * j][2], sa[2 * j][3]);
+      pa[2] = pack_bf16(sa[2 * j + 1][0], sa[2 * j + 1][1]);
+      pa[3] = pack_bf16(sa[2 * j + 1][2], sa[2 * j + 1][3]);
+#pragma unroll
+      for (int dt = 0; dt < DT; dt += 2) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, &sV[(j * 16 + (lane & 15)) * LD + dt * 8 + (lane >> 4) * 8]);
+        mma_16816(o[dt], pa, vb[0], vb[1]);
+        mma_16816(o[dt + 1], pa, vb[2], vb[3]);
+      }
+    }
+    __syncthreads(); /* sK / sV / sRow are refilled next */
+  }
+
+  lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+  lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+  lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+  lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+  if (a.n_splits == 1) {
+    const float iA = vA ? 1.0f / lA : 0.0f, iB = vB ? 1.0f / lB : 0.0f;
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+      const int d = dt * 8 + lt * 2;
+      if (vA)
+        *reinterpret_cast<float2 *>(a.out + rowA * HD + d) =
+            make_float2(o[dt][0] * iA, o[dt][1] * iA);
+      if (vB)
+        *reinterpret_cast<float2 *>(a.out + rowB * HD + d) =
+            make_float2(o[dt][2] * iB, o[dt][3] * iB);
+    }
+  } else {
+    const size_t sb = (size_t)split * a.n_tokens * nq;
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+      const int d = dt * 8 + lt * 2;
+      if (vA)
+        *reinterpret_cast<float2 *>(a.part_o + (sb + rowA) * HD + d) =
+            make_float2(o[dt][0], o[dt][1]);
+      if (vB)
+        *reinterpret_cast<float2 *>(a.part_o + (sb + rowB) * HD + d) =
+            make_float2(o[dt][2], o[dt][3]);
+    }
+    if (lt == 0) {
+      if (vA) a.part_ml[sb + rowA] = make_float2(mA, lA);
+      if (vB) a.part_ml[sb + rowB] = make_float2(mB, lB);
+    }
+  }
+}
+
+template <int HD>
+void prefill_hd(cudaStream_t st, const pd_cuda_attn *a, dim3 grid) {
+  if (a->kv_dtype == PD_DTYPE_BF16)
+    attn_prefill_kernel<HD, __nv_bfloat16><<<grid, kThreads, 0, st>>>(*a);
+  else if (a->kv_dtype == PD_DTYPE_F16)
+    attn_prefill_kernel<HD, __half><<<grid, kThreads, 0, st>>>(*a);
+  else
+    attn_prefill_kernel<HD, float><<<grid, kThreads, 0, st>>>(*a);
+}
+
+} // namespace
+
+void pd_cuda_attn_prefill(cudaStream_t st, const pd_cuda_attn *a) {
+  tile_scan_kernel<<<1, 1024, 0, st>>>(a->tile_start, a->q_start, a->n_seqs, a->group);
+  /* sum_s ceil(n_s * group / BM) <= n_tokens * group / BM + n_seqs */
+  const long long bound = (long long)a->n_tokens * a->group / BM + a->n_seqs + 1;
+  dim3 grid((unsigned)bound, (unsigned)a->n_kv_heads, (unsigned)a->n_splits);
+  switch (a->head_dim) {
+  case 64: prefill_hd<64>(st, a, grid); break;
+  case 80: prefill_hd<80>(st, a, grid); break;
+  default: prefill_hd<128>(st, a, grid); break;
+  }
+}

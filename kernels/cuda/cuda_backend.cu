@@ -1,0 +1,566 @@
+/* The CUDA backend: fills the ops table of backend.h (see pd/backend_cuda.h for the contract).
+ *
+ * This file holds the state and the glue: argument checks, device memory, the pinned staging of
+ * device-to-host copies, cuBLAS, the choice of kernel and of the split count for each call, and
+ * error recording. The kernels live in the cuda_*.cu files beside it. Every op queues its work on
+ * the backend's stream and returns; nothing is allocated in the forward's hot path: the cuBLAS
+ * workspace, the bf16 activation buffer, the attention split partials and the tile scratch are
+ * allocated at create and grown (after a stream sync) only when a call needs more than ever
+ * before. */
+#include <cublas_v2.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_internal.h"
+#include "pd/backend_cuda.h"
+
+namespace {
+
+constexpr size_t kBlasWorkspace = (size_t)32 << 20; /* cuBLAS' recommendation for Hopper */
+constexpr size_t kPinnedChunk = (size_t)8 << 20;    /* two of these stage device-to-host copies */
+constexpr size_t kXconvInitial = (size_t)16 << 20;  /* bf16 x for cuBLAS: 2048 x 4096 tokens */
+constexpr size_t kAttnWorkspace = (size_t)64 << 20; /* attention split partials */
+constexpr int kTilesInitial = 4096;                  /* tile prefix sums: sequences + 1 */
+
+struct cuda_impl {
+  int dev;
+  int n_sm;
+  cudaStream_t st;
+  cublasHandle_t blas;
+  void *blas_ws;
+  void *xconv; /* [M, K] bf16 or f16 copy of x for cuBLAS */
+  size_t xconv_size;
+  float *attn_ws; /* split partials: outputs then (max, sum) pairs */
+  size_t attn_ws_size;
+  int32_t *tiles;
+  int tiles_cap;
+  void *pin[2];
+  cudaEvent_t pin_ev[2];
+  pd_status status; /* first failure, sticky */
+  char msg[PD_ERR_MSG_MAX];
+};
+
+cuda_impl *impl_of(pd_backend *be) { return static_cast<cuda_impl *>(be->impl); }
+
+void record(cuda_impl *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void record(cuda_impl *c, const char *fmt, ...) {
+  if (c->status != PD_OK) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(c->msg, sizeof c->msg, fmt, ap);
+  va_end(ap);
+  c->status = PD_EBACKEND;
+  fprintf(stderr, "pdserve cuda backend: %s\n", c->msg);
+}
+
+bool ck_(cuda_impl *c, cudaError_t r, const char *what, const char *file, int line) {
+  if (r == cudaSuccess) return true;
+  record(c, "%s:%d: %s: %s", file, line, what, cudaGetErrorString(r));
+  return false;
+}
+bool ckb_(cuda_impl *c, cublasStatus_t r, const char *what, const char *file, int line) {
+  if (r == CUBLAS_STATUS_SUCCESS) return true;
+  record(c, "%s:%d: %s: cuBLAS status %d", file, line, what, (int)r);
+  return false;
+}
+#define CK(c, call) ck_((c), (call), #call, __FILE__, __LINE__)
+#define CKB(c, call) ckb_((c), (call), #call, __FILE__, __LINE__)
+/* After kernel launches: a bad configuration shows up here, a fault only at the next sync. */
+#define CK_LAUNCH(c, what) ck_((c), cudaGetLastError(), what, __FILE__, __LINE__)
+
+/* Makes the backend's device current on this thread (cached per thread). */
+thread_local int tl_dev = -1;
+void use_device(cuda_impl *c) {
+  if (tl_dev != c->dev) {
+    CK(c, cudaSetDevice(c->dev));
+    tl_dev = c->dev;
+  }
+}
+
+bool float_dtype(pd_dtype t) {
+  return t == PD_DTYPE_F32 || t == PD_DTYPE_F16 || t == PD_DTYPE_BF16;
+}
+
+/* Grows a device buffer to at least `bytes` (25% headroom). Only runs when a call needs more than
+ * any before it: waits for the stream (the old buffer may be in use), then reallocates. Running
+ * out of device memory for scratch is fatal, as in the CPU backend. */
+void grow(cuda_impl *c, void **buf, size_t *size, size_t bytes) {
+  if (bytes <= *size) return;
+  bytes += bytes / 4;
+  CK(c, cudaStreamSynchronize(c->st));
+  CK(c, cudaFree(*buf));
+  *buf = NULL;
+  *size = 0;
+  cudaError_t r = cudaMalloc(buf, bytes);
+  if (r != cudaSuccess) {
+    fprintf(stderr, "pdserve cuda backend: cannot allocate %zu bytes of scratch: %s\n", bytes,
+            cudaGetErrorString(r));
+    PD_ASSERT(!"cuda backend: out of device memory for scratch");
+  }
+  *size = bytes;
+}
+
+/* ---- memory ------------------------------------------------------------------------------- */
+
+void *cu_alloc(pd_backend *be, size_t bytes) {
+  cuda_impl *c = impl_of(be);
+  use_device(c);
+  void *p = NULL;
+  if (bytes == 0) bytes = 1;
+  if (cudaMalloc(&p, bytes) != cudaSuccess) {
+    cudaGetLastError(); /* out of memory is not sticky: the caller gets NULL */
+    return NULL;
+  }
+  if (!CK(c, cudaMemsetAsync(p, 0, bytes, c->st))) {
+    cudaFree(p);
+    return NULL;
+  }
+  return p;
+}
+
+void cu_free(pd_backend *be, void *p) {
+  if (!p) return;
+  cuda_impl *c = impl_of(be);
+  use_device(c);
+  CK(c, cudaFree(p));
+}
+
+/* The host buffer may be reused as soon as this returns: CUDA stages pageable memory before
+ * returning; for page-locked memory (which it would read later) the stream is synchronised. */
+void cu_to_device(pd_backend *be, void *dst, const void *src, size_t bytes) {
+  if (!bytes) return;
+  cuda_impl *c = impl_of(be);
+  use_device(c);
+  CK(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->st));
+  cudaPointerAttributes at;
+  if (cudaPointerGetAttributes(&at, src) == cudaSuccess) {
+    if (at.type == cudaMemoryTypeHost) CK(c, cudaStreamSynchronize(c->st));
+  } else {
+    cudaGetLastError();
+  }
+}
+
+/* Device to host through two pinned chunks: chunk i+1 is in flight while chunk i is copied out,
+ * so large copies (logits) run near PCIe speed without pinning the caller's memory. Complete on
+ * return. */
+void cu_to_host(pd_backend *be, void *dst, const void *src, size_t bytes) {
+  if (!bytes) return;
+  cuda_impl *c = impl_of(be);
+  use_device(c);
+  if (!c->pin[0]) {
+    CK(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->st));
+    CK(c, cudaStreamSynchronize(c->st));
+    return;
+  }
+  const size_t n = (bytes + kPinnedChunk - 1) / kPinnedChunk;
+  auto len = [&](size_t i) { return i + 1 < n ? kPinnedChunk : bytes - i * kPinnedChunk; };
+  for (size_t i = 0; i < n; i++) {
+    const int b = (int)(i & 1);
+    if (!CK(c, cudaMemcpyAsync(c->pin[b], (const char *)src + i * kPinnedChunk, len(i),
+                               cudaMemcpyDeviceToHost, c->st)))
+      return;
+    CK(c, cudaEventRecord(c->pin_ev[b], c->st));
+    if (i > 0) {
+      const int pb = (int)((i - 1) & 1);
+      if (!CK(c, cudaEventSynchronize(c->pin_ev[pb]))) return;
+      memcpy((char *)dst + (i - 1) * kPinnedChunk, c->pin[pb], len(i - 1));
+    }
+  }
+  const int lb = (int)((n - 1) & 1);
+  if (!CK(c, cudaEventSynchronize(c->pin_ev[lb]))) return;
+  memcpy((char *)dst + (n - 1) * kPinnedChunk, c->pin[lb], len(n - 1));
+}
+
+void cu_copy(pd_backend *be, void *dst, const void *src, size_t bytes) {
+  if (!bytes) return;
+  cuda_impl *c = impl_of(be);
+  use_device(c);
+  CK(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->st));
+}
+
+/* Free and total device memory (sizes the KV cache from --gpu-memory-utilization). */
+static void cu_mem_info(pd_backend *be, size_t *free_bytes, size_t *total_bytes) {
+  cuda_impl *c = impl_of(be);
+  use_device(c);
+  *free_bytes = *total_bytes = 0;
+  CK(c, cudaMemGetInfo(free_bytes, total_bytes));
+}
+
+void cu_sync(pd_backend *be) {
+  cuda_impl *c = impl_of(be);
+  use_device(c);
+  CK(c, cudaStreamSynchronize(c->st));
+}
+
+/* ---- matmul ------------------------------------------------------------------------------- */
+
+void cu_matmul(pd_backend *be, float *y, const float *x, const void *w, pd_dtype wdt,
+               const float *bias, int M, int N, int K) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && N >= 0 && K >= 0);
+  PD_ASSERT(float_dtype(wdt));
+  if (M == 0 || N == 0) return;
+  use_device(c);
+  if (K == 0) {
+    CK(c, cudaMemsetAsync(y, 0, (size_t)M * N * sizeof(float), c->st));
+    if (bias) pd_cuda_bias(c->st, y, bias, M, N);
+    CK_LAUNCH(c, "matmul (K = 0)");
+    return;
+  }
+  if (M <= PD_CUDA_GEMV_MAX_M) {
+    pd_cuda_gemv(c->st, y, x, w, wdt, bias, M, N, K);
+    CK_LAUNCH(c, "gemv");
+    return;
+  }
+  /* Row-major y[M,N] = x[M,K] W[N,K]^T is, column-major, y^T[N,M] = W^T... : A = W seen as a
+   * K x N column-major matrix (lda = K) transposed, B = x as K x M (ldb = K), C = y as N x M. */
+  const float one = 1.0f, zero = 0.0f;
+  if (wdt == PD_DTYPE_F32) {
+    CKB(c, cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, CUDA_R_32F, K, x,
+                        CUDA_R_32F, K, &zero, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F_FAST_TF32,
+                        CUBLAS_GEMM_DEFAULT));
+  } else {
+    const cudaDataType_t t = wdt == PD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
+    pd_cuda_convert(c->st, c->xconv, wdt, x, (size_t)M * K);
+    CK_LAUNCH(c, "convert x");
+    CKB(c, cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, t, K, c->xconv, t, K,
+                        &zero, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  if (bias) {
+    pd_cuda_bias(c->st, y, bias, M, N);
+    CK_LAUNCH(c, "bias");
+  }
+}
+
+/* ---- row ops ------------------------------------------------------------------------------ */
+
+void cu_rmsnorm(pd_backend *be, float *y, const float *x, const float *w, float eps, int M, int D) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && D >= 0);
+  if (M == 0 || D == 0) return;
+  use_device(c);
+  pd_cuda_rmsnorm(c->st, y, const_cast<float *>(x), NULL, w, eps, M, D);
+  CK_LAUNCH(c, "rmsnorm");
+}
+
+void cu_add_rmsnorm(pd_backend *be, float *y, float *x, const float *r, const float *w, float eps,
+                    int M, int D) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && D >= 0);
+  if (M == 0 || D == 0) return;
+  use_device(c);
+  pd_cuda_rmsnorm(c->st, y, x, r, w, eps, M, D);
+  CK_LAUNCH(c, "add_rmsnorm");
+}
+
+void cu_embed(pd_backend *be, float *y, const void *table, pd_dtype dt, const int32_t *ids, int M,
+              int D) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && D >= 0);
+  PD_ASSERT(float_dtype(dt));
+  if (M == 0 || D == 0) return;
+  use_device(c);
+  pd_cuda_embed(c->st, y, table, dt, ids, M, D);
+  CK_LAUNCH(c, "embed");
+}
+
+void cu_rope(pd_backend *be, float *q, float *k, const int32_t *pos, const float *inv_freq, int M,
+             int n_q_heads, int n_kv_heads, int head_dim) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && n_q_heads >= 0 && n_kv_heads >= 0 && head_dim >= 0);
+  if (M == 0 || head_dim < 2 || (n_q_heads == 0 && n_kv_heads == 0)) return;
+  use_device(c);
+  pd_cuda_rope(c->st, q, k, pos, inv_freq, M, n_q_heads, n_kv_heads, head_dim);
+  CK_LAUNCH(c, "rope");
+}
+
+void cu_swiglu(pd_backend *be, float *y, const float *gu, int M, int F) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && F >= 0);
+  if (M == 0 || F == 0) return;
+  use_device(c);
+  pd_cuda_swiglu(c->st, y, gu, M, F);
+  CK_LAUNCH(c, "swiglu");
+}
+
+void cu_kv_write(pd_backend *be, const pd_kv_layer *kv, const pd_kv_shape *shape, const float *k,
+                 const float *v, const int32_t *slots, int M) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && shape->block_size > 0 && shape->num_kv_heads > 0 && shape->head_dim > 0);
+  PD_ASSERT(float_dtype(shape->dtype));
+  if (M == 0) return;
+  use_device(c);
+  pd_cuda_kv_write(c->st, kv, shape, k, v, slots, M);
+  CK_LAUNCH(c, "kv_write");
+}
+
+void cu_get_rows(pd_backend *be, float *y, const float *x, const int32_t *idx, int n, int D) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(n >= 0 && D >= 0);
+  if (n == 0 || D == 0) return;
+  use_device(c);
+  pd_cuda_get_rows(c->st, y, x, idx, n, D);
+  CK_LAUNCH(c, "get_rows");
+}
+
+void cu_add(pd_backend *be, float *y, const float *x, size_t n) {
+  cuda_impl *c = impl_of(be);
+  if (n == 0) return;
+  use_device(c);
+  pd_cuda_add(c->st, y, x, n);
+  CK_LAUNCH(c, "add");
+}
+
+/* ---- attention ---------------------------------------------------------------------------- */
+
+/* Splits of the context so that about `target` blocks run, each split at least min_len keys,
+ * within the partial workspace and the merge kernel's limit. Sets a->n_splits, a->split_len. */
+void choose_splits(cuda_impl *c, pd_cuda_attn *a, long long blocks, long long target, int span,
+                   int min_len, int align) {
+  long long per_split = (long long)a->n_tokens * a->n_q_heads * ((long long)a->head_dim + 2) * 4;
+  long long n = (target + blocks - 1) / blocks;
+  long long by_len = (span + min_len - 1) / min_len;
+  long long by_ws = (long long)(c->attn_ws_size / (size_t)per_split);
+  if (n > by_len) n = by_len;
+  if (n > by_ws) n = by_ws;
+  if (n > pd_cuda_attn_max_splits()) n = pd_cuda_attn_max_splits();
+  if (n <= 1) {
+    a->n_splits = 1;
+    a->split_len = 1 << 30; /* covers any context; the kernels clamp in 64-bit arithmetic */
+    return;
+  }
+  int len = (int)((span + n - 1) / n);
+  len = (len + align - 1) / align * align;
+  a->split_len = len;
+  a->n_splits = (span + len - 1) / len;
+  if (a->n_splits == 1) a->split_len = 1 << 30;
+  a->part_o = c->attn_ws;
+  a->part_ml = reinterpret_cast<float2 *>(c->attn_ws + (size_t)a->n_splits * a->n_tokens *
+                                                           a->n_q_heads * a->head_dim);
+}
+
+void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer *kv,
+                  const pd_kv_shape *shape, const pd_attn_batch *b, int n_q_heads, float scale,
+                  int sliding_window) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(shape->block_size > 0 && shape->num_kv_heads > 0 && shape->head_dim > 0);
+  PD_ASSERT(n_q_heads > 0 && n_q_heads % shape->num_kv_heads == 0);
+  PD_ASSERT(float_dtype(shape->dtype));
+  PD_ASSERT(shape->head_dim % 2 == 0 && shape->head_dim <= 256);
+  PD_ASSERT(b->n_seqs >= 0 && b->n_tokens >= b->n_seqs);
+  if (b->n_seqs == 0 || b->n_tokens == 0) return;
+  use_device(c);
+  pd_cuda_attn a;
+  memset(&a, 0, sizeof a);
+  a.out = out;
+  a.q = q;
+  a.k = kv->k;
+  a.v = kv->v;
+  a.kv_dtype = shape->dtype;
+  a.block_size = shape->block_size;
+  a.n_kv_heads = shape->num_kv_heads;
+  a.head_dim = shape->head_dim;
+  a.n_q_heads = n_q_heads;
+  a.group = n_q_heads / shape->num_kv_heads;
+  a.scale = scale;
+  a.window = sliding_window;
+  a.q_start = b->q_start;
+  a.ctx_len = b->ctx_len;
+  a.block_tables = b->block_tables;
+  a.max_blocks = b->max_blocks;
+  a.n_seqs = b->n_seqs;
+  a.n_tokens = b->n_tokens;
+  a.max_ctx_len = b->max_ctx_len > 0 ? b->max_ctx_len : 1;
+  a.n_splits = 1;
+  a.split_len = 1 << 30;
+
+  if (!pd_cuda_attn_tuned_hd(a.head_dim)) {
+    pd_cuda_attn_generic(c->st, &a);
+    CK_LAUNCH(c, "attention (generic)");
+    return;
+  }
+  if (b->n_tokens == b->n_seqs) {
+    /* Pure decode: every sequence brings exactly one token (each brings at least one). */
+    int span = a.max_ctx_len;
+    if (a.window > 0 && a.window < span) span = a.window;
+    const int maxg = pd_cuda_attn_decode_heads(a.group);
+    long long blocks = (long long)a.n_seqs * a.n_kv_heads * ((a.group + maxg - 1) / maxg);
+    choose_splits(c, &a, blocks, 8LL * c->n_sm, span, 256, 64);
+    pd_cuda_attn_decode(c->st, &a);
+    CK_LAUNCH(c, "attention (decode)");
+  } else {
+    int span = a.max_ctx_len;
+    if (a.window > 0 && (long long)a.window + PD_CUDA_ATTN_BM < span)
+      span = a.window + PD_CUDA_ATTN_BM;
+    if (a.n_seqs + 1 > c->tiles_cap) {
+      void *p = c->tiles;
+      size_t sz = (size_t)c->tiles_cap * sizeof(int32_t);
+      grow(c, &p, &sz, ((size_t)a.n_seqs + 1) * sizeof(int32_t));
+      c->tiles = static_cast<int32_t *>(p);
+      c->tiles_cap = (int)(sz / sizeof(int32_t));
+    }
+    a.tile_start = c->tiles;
+    long long tiles = (long long)a.n_tokens * a.group / PD_CUDA_ATTN_BM + a.n_seqs;
+    choose_splits(c, &a, tiles * a.n_kv_heads, 2LL * c->n_sm, span, 512, 64);
+    pd_cuda_attn_prefill(c->st, &a);
+    CK_LAUNCH(c, "attention (prefill)");
+  }
+  if (a.n_splits > 1) {
+    pd_cuda_attn_merge(c->st, &a);
+    CK_LAUNCH(c, "attention (merge)");
+  }
+}
+
+/* ---- create / destroy --------------------------------------------------------------------- */
+
+void cu_destroy(pd_backend *be) {
+  if (!be) return;
+  cuda_impl *c = impl_of(be);
+  if (c) {
+    cudaSetDevice(c->dev);
+    tl_dev = c->dev;
+    if (c->st) cudaStreamSynchronize(c->st);
+    if (c->blas) cublasDestroy(c->blas);
+    cudaFree(c->blas_ws);
+    cudaFree(c->xconv);
+    cudaFree(c->attn_ws);
+    cudaFree(c->tiles);
+    for (int i = 0; i < 2; i++) {
+      if (c->pin[i]) cudaFreeHost(c->pin[i]);
+      if (c->pin_ev[i]) cudaEventDestroy(c->pin_ev[i]);
+    }
+    if (c->st) cudaStreamDestroy(c->st);
+    free(c);
+  }
+  free(be);
+}
+
+} // namespace
+
+extern "C" int pd_cuda_device_count(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *e) {
+  const int dev = o ? o->device : 0;
+  const int n = pd_cuda_device_count();
+  if (n == 0) {
+    pd_err_set(e, PD_EUNSUPPORTED, "cuda backend: no CUDA device is available");
+    return NULL;
+  }
+  if (dev < 0 || dev >= n) {
+    pd_err_set(e, PD_EINVAL, "cuda backend: device %d out of range (%d devices)", dev, n);
+    return NULL;
+  }
+  cudaDeviceProp prop;
+  cudaError_t r = cudaSetDevice(dev);
+  if (r == cudaSuccess) r = cudaGetDeviceProperties(&prop, dev);
+  if (r != cudaSuccess) {
+    pd_err_set(e, PD_EBACKEND, "cuda backend: device %d: %s", dev, cudaGetErrorString(r));
+    return NULL;
+  }
+  if (prop.major < 8) {
+    pd_err_set(e, PD_EUNSUPPORTED,
+               "cuda backend: %s has compute capability %d.%d; 8.0 or newer is required",
+               prop.name, prop.major, prop.minor);
+    return NULL;
+  }
+  tl_dev = dev;
+  pd_backend *be = static_cast<pd_backend *>(calloc(1, sizeof *be));
+  cuda_impl *c = static_cast<cuda_impl *>(calloc(1, sizeof *c));
+  if (!be || !c) {
+    free(be);
+    free(c);
+    pd_err_set(e, PD_ENOMEM, "cuda backend: out of host memory");
+    return NULL;
+  }
+  be->impl = c;
+  be->host_memory = false;
+  be->ops.name = "cuda";
+  be->ops.alloc = cu_alloc;
+  be->ops.free = cu_free;
+  be->ops.to_device = cu_to_device;
+  be->ops.to_host = cu_to_host;
+  be->ops.sync = cu_sync;
+  be->ops.copy = cu_copy;
+  be->ops.mem_info = cu_mem_info;
+  be->ops.matmul = cu_matmul;
+  be->ops.rmsnorm = cu_rmsnorm;
+  be->ops.add_rmsnorm = cu_add_rmsnorm;
+  be->ops.embed = cu_embed;
+  be->ops.rope = cu_rope;
+  be->ops.swiglu = cu_swiglu;
+  be->ops.kv_write = cu_kv_write;
+  be->ops.attention = cu_attention;
+  be->ops.get_rows = cu_get_rows;
+  be->ops.add = cu_add;
+  be->ops.destroy = cu_destroy;
+  c->dev = dev;
+  c->n_sm = prop.multiProcessorCount;
+
+  const char *what = NULL;
+  cublasStatus_t bs = CUBLAS_STATUS_SUCCESS;
+  if ((r = cudaStreamCreateWithFlags(&c->st, cudaStreamNonBlocking)) != cudaSuccess) {
+    what = "creating a stream";
+  } else if ((bs = cublasCreate(&c->blas)) != CUBLAS_STATUS_SUCCESS) {
+    what = "creating the cuBLAS handle";
+  } else if ((r = cudaMalloc(&c->blas_ws, kBlasWorkspace)) != cudaSuccess ||
+             (r = cudaMalloc(&c->xconv, kXconvInitial)) != cudaSuccess ||
+             (r = cudaMalloc((void **)&c->attn_ws, kAttnWorkspace)) != cudaSuccess ||
+             (r = cudaMalloc((void **)&c->tiles, kTilesInitial * sizeof(int32_t))) !=
+                 cudaSuccess) {
+    what = "allocating workspaces";
+  } else if ((bs = cublasSetStream(c->blas, c->st)) != CUBLAS_STATUS_SUCCESS ||
+             (bs = cublasSetWorkspace(c->blas, c->blas_ws, kBlasWorkspace)) !=
+                 CUBLAS_STATUS_SUCCESS) {
+    what = "configuring cuBLAS";
+  }
+  if (what) {
+    if (bs != CUBLAS_STATUS_SUCCESS)
+      pd_err_set(e, PD_EBACKEND, "cuda backend: %s: cuBLAS status %d", what, (int)bs);
+    else
+      pd_err_set(e, PD_EBACKEND, "cuda backend: %s: %s", what, cudaGetErrorString(r));
+    cudaGetLastError();
+    cu_destroy(be);
+    return NULL;
+  }
+  c->xconv_size = kXconvInitial;
+  c->attn_ws_size = kAttnWorkspace;
+  c->tiles_cap = kTilesInitial;
+  /* Pinned staging is an optimisation: without it to_host copies directly. */
+  for (int i = 0; i < 2; i++) {
+    if (cudaHostAlloc(&c->pin[i], kPinnedChunk, cudaHostAllocDefault) != cudaSuccess ||
+        cudaEventCreateWithFlags(&c->pin_ev[i], cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      for (int j = 0; j < 2; j++) {
+        if (c->pin[j]) cudaFreeHost(c->pin[j]);
+        if (c->pin_ev[j]) cudaEventDestroy(c->pin_ev[j]);
+        c->pin[j] = NULL;
+        c->pin_ev[j] = NULL;
+      }
+      break;
+    }
+  }
+  return be;
+}
+
+extern "C" void *pd_backend_cuda_stream(pd_backend *be) {
+  if (!be || be->ops.destroy != cu_destroy) return NULL;
+  return impl_of(be)->st;
+}
+
+extern "C" pd_status pd_backend_cuda_status(pd_backend *be, pd_err *e) {
+  if (!be || be->ops.destroy != cu_destroy)
+    return pd_err_set(e, PD_EINVAL, "not a CUDA backend");
+  cuda_impl *c = impl_of(be);
+  if (c->status == PD_OK) return PD_OK;
+  return pd_err_set(e, c->status, "%s", c->msg);
+}

@@ -1,0 +1,236 @@
+/* Row and elementwise ops of the CUDA backend: norms, embedding, RoPE, SwiGLU, KV-cache writes,
+ * row gathers, adds, bias and the activation conversion for cuBLAS. All memory-bound, f32 math;
+ * shapes as in backend.h. Each launcher queues one kernel on the stream. */
+#include "cuda_internal.h"
+
+namespace {
+
+constexpr int kRowThreads = 256;
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result. */
+__device__ float block_sum(float v) {
+  __shared__ float part[32];
+  __shared__ float total;
+  v = pd_warp_sum(v);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+  if (l == 0) part[w] = v;
+  __syncthreads();
+  if (w == 0) {
+    float t = l < nw ? part[l] : 0.0f;
+    t = pd_warp_sum(t);
+    if (l == 0) total = t;
+  }
+  __syncthreads();
+  return total;
+}
+
+/* One block per row. r != NULL: x += r first (written back to x). y may alias x. */
+__global__ void __launch_bounds__(kRowThreads)
+rmsnorm_kernel(float *__restrict__ y, float *x, const float *__restrict__ r,
+               const float *__restrict__ w, float eps, int D) {
+  const size_t row = (size_t)blockIdx.x * D;
+  float *xr = x + row;
+  float ss = 0.0f;
+  if (r) {
+    const float *rr = r + row;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      float v = xr[i] + rr[i];
+      xr[i] = v;
+      ss += v * v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      float v = xr[i];
+      ss += v * v;
+    }
+  }
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+  float *yr = y + row;
+  /* Each thread rereads only the elements it wrote (or read) itself: no race when y == x. */
+  for (int i = threadIdx.x; i < D; i += blockDim.x) yr[i] = xr[i] * inv * w[i];
+}
+
+template <typename T>
+__global__ void embed_kernel(float *__restrict__ y, const T *__restrict__ table,
+                             const int32_t *__restrict__ ids, int D) {
+  const T *src = table + (size_t)ids[blockIdx.x] * D;
+  float *dst = y + (size_t)blockIdx.x * D;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = pd_to_f32(src[i]);
+}
+
+/* One block per token: each thread owns frequency indices i (stride blockDim), computes the
+ * angle once (rounded to float first, as Hugging Face does) and rotates that pair in every head. */
+__global__ void rope_kernel(float *q, float *k, const int32_t *__restrict__ pos,
+                            const float *__restrict__ inv_freq, int nqh, int nkvh, int hd) {
+  const int half = hd / 2;
+  const float p = (float)pos[blockIdx.x];
+  float *qr = q ? q + (size_t)blockIdx.x * nqh * hd : nullptr;
+  float *kr = k ? k + (size_t)blockIdx.x * nkvh * hd : nullptr;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float ang = p * inv_freq[i];
+    float s, c;
+    sincosf(ang, &s, &c);
+    if (qr)
+      for (int h = 0; h < nqh; h++) {
+        float *v = qr + (size_t)h * hd;
+        float x0 = v[i], x1 = v[i + half];
+        v[i] = x0 * c - x1 * s;
+        v[i + half] = x1 * c + x0 * s;
+      }
+    if (kr)
+      for (int h = 0; h < nkvh; h++) {
+        float *v = kr + (size_t)h * hd;
+        float x0 = v[i], x1 = v[i + half];
+        v[i] = x0 * c - x1 * s;
+        v[i + half] = x1 * c + x0 * s;
+      }
+  }
+}
+
+__global__ void swiglu_kernel(float *__restrict__ y, const float *__restrict__ gu, int F,
+                              size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    size_t m = i / (size_t)F, f = i - m * (size_t)F;
+    const float *row = gu + m * 2 * (size_t)F;
+    float g = row[f], u = row[F + f];
+    y[i] = g / (1.0f + expf(-g)) * u;
+  }
+}
+
+/* One block per token row; threads over (kv head, dim). */
+template <typename T>
+__global__ void kv_write_kernel(T *__restrict__ kc, T *__restrict__ vc, const float *__restrict__ k,
+                                const float *__restrict__ v, const int32_t *__restrict__ slots,
+                                int bs, int nkv, int hd) {
+  const int slot = slots[blockIdx.x];
+  if (slot < 0) return;
+  const int blk = slot / bs, off = slot - blk * bs;
+  const int row = nkv * hd;
+  const float *kr = k + (size_t)blockIdx.x * row, *vr = v + (size_t)blockIdx.x * row;
+  for (int i = threadIdx.x; i < row; i += blockDim.x) {
+    int g = i / hd, d = i - g * hd;
+    size_t dst = (((size_t)blk * nkv + g) * bs + off) * hd + d;
+    kc[dst] = pd_from_f32<T>(kr[i]);
+    vc[dst] = pd_from_f32<T>(vr[i]);
+  }
+}
+
+__global__ void get_rows_kernel(float *__restrict__ y, const float *__restrict__ x,
+                                const int32_t *__restrict__ idx, int D) {
+  const float *src = x + (size_t)idx[blockIdx.x] * D;
+  float *dst = y + (size_t)blockIdx.x * D;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = src[i];
+}
+
+__global__ void add_kernel(float *__restrict__ y, const float *__restrict__ x, size_t n) {
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  /* float4 body when both are 16-byte aligned (cudaMalloc'ed buffers at row starts are). */
+  if ((((uintptr_t)y | (uintptr_t)x) & 15) == 0) {
+    size_t n4 = n / 4;
+    float4 *y4 = reinterpret_cast<float4 *>(y);
+    const float4 *x4 = reinterpret_cast<const float4 *>(x);
+    for (size_t j = i; j < n4; j += stride) {
+      float4 a = y4[j], b = x4[j];
+      a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w;
+      y4[j] = a;
+    }
+    for (size_t j = n4 * 4 + i; j < n; j += stride) y[j] += x[j];
+  } else {
+    for (size_t j = i; j < n; j += stride) y[j] += x[j];
+  }
+}
+
+__global__ void bias_kernel(float *__restrict__ y, const float *__restrict__ bias, int N,
+                            size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    y[i] += bias[i % (size_t)N];
+}
+
+template <typename T>
+__global__ void convert_kernel(T *__restrict__ dst, const float *__restrict__ src, size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    dst[i] = pd_from_f32<T>(src[i]);
+}
+
+/* Grid for a grid-stride loop over n elements: enough blocks to fill the GPU, capped. */
+unsigned grid_for(size_t n, int threads) {
+  size_t b = (n + threads - 1) / threads;
+  if (b > 65536) b = 65536;
+  return b ? (unsigned)b : 1u;
+}
+
+int row_threads(int D) {
+  int t = 32;
+  while (t < D && t < kRowThreads) t *= 2;
+  return t;
+}
+
+} // namespace
+
+void pd_cuda_rmsnorm(cudaStream_t st, float *y, float *x, const float *r, const float *w,
+                     float eps, int M, int D) {
+  rmsnorm_kernel<<<M, row_threads(D), 0, st>>>(y, x, r, w, eps, D);
+}
+
+void pd_cuda_embed(cudaStream_t st, float *y, const void *table, pd_dtype dt, const int32_t *ids,
+                   int M, int D) {
+  int t = row_threads(D);
+  if (dt == PD_DTYPE_BF16)
+    embed_kernel<<<M, t, 0, st>>>(y, (const __nv_bfloat16 *)table, ids, D);
+  else if (dt == PD_DTYPE_F16)
+    embed_kernel<<<M, t, 0, st>>>(y, (const __half *)table, ids, D);
+  else
+    embed_kernel<<<M, t, 0, st>>>(y, (const float *)table, ids, D);
+}
+
+void pd_cuda_rope(cudaStream_t st, float *q, float *k, const int32_t *pos, const float *inv_freq,
+                  int M, int nqh, int nkvh, int hd) {
+  int half = hd / 2, t = 32;
+  while (t < half && t < 128) t *= 2;
+  rope_kernel<<<M, t, 0, st>>>(nqh ? q : nullptr, nkvh ? k : nullptr, pos, inv_freq, nqh, nkvh,
+                               hd);
+}
+
+void pd_cuda_swiglu(cudaStream_t st, float *y, const float *gu, int M, int F) {
+  size_t n = (size_t)M * F;
+  swiglu_kernel<<<grid_for(n, 256), 256, 0, st>>>(y, gu, F, n);
+}
+
+void pd_cuda_kv_write(cudaStream_t st, const pd_kv_layer *kv, const pd_kv_shape *sh,
+                      const float *k, const float *v, const int32_t *slots, int M) {
+  int t = row_threads(sh->num_kv_heads * sh->head_dim);
+  if (sh->dtype == PD_DTYPE_BF16)
+    kv_write_kernel<<<M, t, 0, st>>>((__nv_bfloat16 *)kv->k, (__nv_bfloat16 *)kv->v, k, v, slots,
+                                     sh->block_size, sh->num_kv_heads, sh->head_dim);
+  else if (sh->dtype == PD_DTYPE_F16)
+    kv_write_kernel<<<M, t, 0, st>>>((__half *)kv->k, (__half *)kv->v, k, v, slots,
+                                     sh->block_size, sh->num_kv_heads, sh->head_dim);
+  else
+    kv_write_kernel<<<M, t, 0, st>>>((float *)kv->k, (float *)kv->v, k, v, slots, sh->block_size,
+                                     sh->num_kv_heads, sh->head_dim);
+}
+
+void pd_cuda_get_rows(cudaStream_t st, float *y, const float *x, const int32_t *idx, int n, int D) {
+  get_rows_kernel<<<n, row_threads(D), 0, st>>>(y, x, idx, D);
+}
+
+void pd_cuda_add(cudaStream_t st, float *y, const float *x, size_t n) {
+  add_kernel<<<grid_for((n + 3) / 4, 256), 256, 0, st>>>(y, x, n);
+}
+
+void pd_cuda_bias(cudaStream_t st, float *y, const float *bias, int M, int N) {
+  size_t n = (size_t)M * N;
+  bias_kernel<<<grid_for(n, 256), 256, 0, st>>>(y, bias, N, n);
+}
+
+void pd_cuda_convert(cudaStream_t st, void *dst, pd_dtype dt, const float *src, size_t n) {
+  if (dt == PD_DTYPE_BF16)
+    convert_kernel<<<grid_for(n, 256), 256, 0, st>>>((__nv_bfloat16 *)dst, src, n);
+  else
+    convert_kernel<<<grid_for(n, 256), 256, 0, st>>>((__half *)dst, src, n);
+}

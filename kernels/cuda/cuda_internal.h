@@ -1,0 +1,141 @@
+/* Internals of the CUDA backend: the backend state, error recording, device helpers shared by the
+ * kernel files, and the launchers each op-family file exports to cuda_backend.cu. Not a public
+ * header; C++ (CUDA) only.
+ *
+ * Layering (one .cu per op family, each with host-side launchers taking a stream):
+ *   cuda_backend.cu      the ops table: argument checks, memory, cuBLAS, work splitting, errors
+ *   cuda_elementwise.cu  rmsnorm, add_rmsnorm, embed, rope, swiglu, kv_write, get_rows, add,
+ *                        bias, f32 -> bf16/f16 conversion
+ *   cuda_gemv.cu         y = x W^T for M <= 8 (memory-bound)
+ *   cuda_attn_decode.cu  split-K paged decode attention, the split merge, the generic kernel
+ *   cuda_attn_prefill.cu FlashAttention-style paged prefill on bf16 tensor cores */
+#ifndef PD_CUDA_INTERNAL_H
+#define PD_CUDA_INTERNAL_H
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "pd/backend.h"
+
+/* ---- device helpers --------------------------------------------------------------------------- */
+
+/* Element conversions to and from float for the three stored float types. */
+__device__ __forceinline__ float pd_to_f32(float v) { return v; }
+__device__ __forceinline__ float pd_to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float pd_to_f32(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T pd_from_f32(float v);
+template <> __device__ __forceinline__ float pd_from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 pd_from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half pd_from_f32<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+/* Two packed 16-bit floats (one 32-bit word) to two floats. */
+__device__ __forceinline__ float2 pd_unpack2(uint32_t u, __nv_bfloat16 *) {
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+__device__ __forceinline__ float2 pd_unpack2(uint32_t u, __half *) {
+  __half2 h = *reinterpret_cast<__half2 *>(&u);
+  return __half22float2(h);
+}
+
+/* Loads 8 consecutive elements at p (16-byte aligned for 16-bit types, 32-byte for f32) as
+ * floats. "nc": read-only path. */
+__device__ __forceinline__ void pd_load8(const float *p, float out[8]) {
+  float4 a = __ldg(reinterpret_cast<const float4 *>(p));
+  float4 b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+template <typename T16>
+__device__ __forceinline__ void pd_load8_16(const T16 *p, float out[8]) {
+  uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
+  float2 f;
+  f = pd_unpack2(u.x, (T16 *)nullptr); out[0] = f.x; out[1] = f.y;
+  f = pd_unpack2(u.y, (T16 *)nullptr); out[2] = f.x; out[3] = f.y;
+  f = pd_unpack2(u.z, (T16 *)nullptr); out[4] = f.x; out[5] = f.y;
+  f = pd_unpack2(u.w, (T16 *)nullptr); out[6] = f.x; out[7] = f.y;
+}
+__device__ __forceinline__ void pd_load8(const __nv_bfloat16 *p, float out[8]) {
+  pd_load8_16(p, out);
+}
+__device__ __forceinline__ void pd_load8(const __half *p, float out[8]) { pd_load8_16(p, out); }
+
+__device__ __forceinline__ float pd_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float pd_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+#define PD_LOG2E 1.4426950408889634f
+
+/* ---- launchers (host side; all asynchronous on `st`) ------------------------------------------ */
+
+/* Elementwise family: shapes as in backend.h. dt / kv dtype are F32, F16 or BF16. */
+void pd_cuda_rmsnorm(cudaStream_t st, float *y, float *x, const float *r, const float *w,
+                     float eps, int M, int D);
+void pd_cuda_embed(cudaStream_t st, float *y, const void *table, pd_dtype dt, const int32_t *ids,
+                   int M, int D);
+void pd_cuda_rope(cudaStream_t st, float *q, float *k, const int32_t *pos, const float *inv_freq,
+                  int M, int nqh, int nkvh, int hd);
+void pd_cuda_swiglu(cudaStream_t st, float *y, const float *gu, int M, int F);
+void pd_cuda_kv_write(cudaStream_t st, const pd_kv_layer *kv, const pd_kv_shape *sh,
+                      const float *k, const float *v, const int32_t *slots, int M);
+void pd_cuda_get_rows(cudaStream_t st, float *y, const float *x, const int32_t *idx, int n, int D);
+void pd_cuda_add(cudaStream_t st, float *y, const float *x, size_t n);
+/* y[M,N] += bias[N] for every row. */
+void pd_cuda_bias(cudaStream_t st, float *y, const float *bias, int M, int N);
+/* dst[n] = src[n] rounded to dt (BF16 or F16), round to nearest even. */
+void pd_cuda_convert(cudaStream_t st, void *dst, pd_dtype dt, const float *src, size_t n);
+
+/* GEMV: y[M,N] = x[M,K] W[N,K]^T (+bias) for 1 <= M <= PD_CUDA_GEMV_MAX_M. */
+#define PD_CUDA_GEMV_MAX_M 8
+void pd_cuda_gemv(cudaStream_t st, float *y, const float *x, const void *w, pd_dtype wdt,
+                  const float *bias, int M, int N, int K);
+
+/* Attention. One call's arguments, resolved; workspaces belong to the backend. */
+typedef struct pd_cuda_attn {
+  float *out;
+  const float *q;
+  const void *k, *v;
+  pd_dtype kv_dtype;
+  int block_size, n_kv_heads, head_dim, n_q_heads, group;
+  float scale;
+  int window;
+  const int32_t *q_start, *ctx_len, *block_tables;
+  int max_blocks, n_seqs, n_tokens, max_ctx_len;
+  /* split-K: n_splits > 1 writes unnormalised partials to part_o [n_splits, n_tokens, n_q_heads,
+   * head_dim] and (max, sum) in the log2 domain to part_ml [n_splits, n_tokens, n_q_heads], then a
+   * merge kernel writes out. split_len keys per split (a multiple of 64). */
+  int n_splits, split_len;
+  float *part_o;
+  float2 *part_ml;
+  int32_t *tile_start; /* prefill: [n_seqs + 1] scratch for the tile prefix sums */
+} pd_cuda_attn;
+
+/* True when the tuned kernels cover this head dim (64, 80, 128). */
+bool pd_cuda_attn_tuned_hd(int head_dim);
+/* Decode (every sequence has exactly one new token): grid over (sequence, KV head, split). */
+void pd_cuda_attn_decode(cudaStream_t st, const pd_cuda_attn *a);
+/* Heads one decode block handles (its query-head chunk) for this group size. */
+int pd_cuda_attn_decode_heads(int group);
+/* Prefill / mixed batches: tiles of PD_CUDA_ATTN_BM (token, head) rows. */
+#define PD_CUDA_ATTN_BM 64
+void pd_cuda_attn_prefill(cudaStream_t st, const pd_cuda_attn *a);
+/* Any head dim (even, <= 256), any batch: one warp per (token, query head). Slow; correct. */
+void pd_cuda_attn_generic(cudaStream_t st, const pd_cuda_attn *a);
+/* Merges the n_splits partials into out. At most pd_cuda_attn_max_splits() splits. */
+void pd_cuda_attn_merge(cudaStream_t st, const pd_cuda_attn *a);
+int pd_cuda_attn_max_splits(void);
+
+#endif

@@ -1,0 +1,602 @@
+/* Every op of the CUDA backend against the CPU backend (the reference implementation), on random
+ * inputs of awkward sizes: one row to 4096 rows, odd hidden and FFN sizes (4000, 11003), K not a
+ * multiple of 8 (the scalar GEMV path), f32 / f16 / bf16 weights and KV caches, head dims 64, 80,
+ * 128 (tuned kernels) and 32, 96 (generic kernel), GQA ratios 1, 3, 4, 8, 12, block sizes 16 and
+ * 32, pages out of order, ragged batches of many sequences, prefill chunks over a cached prefix,
+ * sliding windows, long contexts that split the work (split-K decode and prefill + merge).
+ * Cache slots no sequence owns hold NaN, so a kernel reading outside a context poisons its
+ * output and fails.
+ *
+ * Tolerances (max |gpu - cpu| / max |cpu|): paths computing in f32 on both sides (GEMV with
+ * M <= 8, decode attention, row ops) 1e-4; bf16 tensor-core paths (cuBLAS with x rounded to
+ * bf16, prefill attention with Q, K, V, P in bf16) 1.5e-2; TF32 (f32 weights, M > 8) 5e-3;
+ * data movement (embed, kv_write, get_rows, add, copies) exact.
+ *
+ * Usage: test_cuda_ops [small]   ("small": reduced sizes, for compute-sanitizer).
+ * Exits 77 (skipped) when there is no CUDA device. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pd/backend.h"
+#include "pd/backend_cuda.h"
+#include "pd/dtype.h"
+#include "pd_test.h"
+
+static pd_backend *g_cpu, *g_gpu;
+static int g_small;
+
+/* ---- helpers ------------------------------------------------------------------------------- */
+
+static uint64_t g_rng = 0x2545f4914f6cdd1dull;
+static uint32_t rnd(void) {
+  g_rng ^= g_rng << 13;
+  g_rng ^= g_rng >> 7;
+  g_rng ^= g_rng << 17;
+  return (uint32_t)(g_rng >> 11);
+}
+static float frand(float lo, float hi) {
+  return lo + (hi - lo) * (float)(rnd() & 0xffffff) / 16777216.0f;
+}
+static int irand(int n) { return (int)(rnd() % (uint32_t)n); }
+
+static void *xmalloc(size_t n) {
+  void *p = malloc(n ? n : 1);
+  REQUIRE(p);
+  return p;
+}
+
+static float *rand_f32(size_t n, float lo, float hi) {
+  float *p = xmalloc(n * sizeof *p);
+  for (size_t i = 0; i < n; i++) p[i] = frand(lo, hi);
+  return p;
+}
+
+/* n random values in dtype dt (bytes returned). */
+static void *rand_dt(pd_dtype dt, size_t n, float lo, float hi) {
+  void *p = xmalloc(n * pd_dtype_size(dt));
+  for (size_t i = 0; i < n; i++) {
+    float v = frand(lo, hi);
+    if (dt == PD_DTYPE_F32)
+      ((float *)p)[i] = v;
+    else if (dt == PD_DTYPE_BF16)
+      ((uint16_t *)p)[i] = pd_f32_to_bf16(v);
+    else
+      ((uint16_t *)p)[i] = pd_f32_to_f16(v);
+  }
+  return p;
+}
+
+static void set_nan(void *p, pd_dtype dt, size_t i) {
+  if (dt == PD_DTYPE_F32)
+    ((float *)p)[i] = NAN;
+  else if (dt == PD_DTYPE_BF16)
+    ((uint16_t *)p)[i] = 0x7fc0;
+  else
+    ((uint16_t *)p)[i] = 0x7e00;
+}
+
+static void *up(const void *h, size_t bytes) {
+  void *d = g_gpu->ops.alloc(g_gpu, bytes);
+  REQUIRE(d);
+  if (bytes) g_gpu->ops.to_device(g_gpu, d, h, bytes);
+  return d;
+}
+static void *down(const void *d, size_t bytes) {
+  void *h = xmalloc(bytes);
+  g_gpu->ops.to_host(g_gpu, h, d, bytes);
+  return h;
+}
+static void gfree(void *d) { g_gpu->ops.free(g_gpu, d); }
+
+/* max |a - ref| / max |ref|; infinite when a holds a NaN or ref is all zeros but a is not. */
+static double rel_err(const float *a, const float *ref, size_t n) {
+  double md = 0, mr = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (isnan(a[i]) || isnan(ref[i])) return INFINITY;
+    double d = fabs((double)a[i] - ref[i]);
+    if (d > md) md = d;
+    if (fabs(ref[i]) > mr) mr = fabs(ref[i]);
+  }
+  if (mr == 0) return md == 0 ? 0 : INFINITY;
+  return md / mr;
+}
+
+static const char *dtn(pd_dtype t) { return pd_dtype_name(t); }
+static const pd_dtype k_dts[3] = {PD_DTYPE_F32, PD_DTYPE_F16, PD_DTYPE_BF16};
+
+/* ---- memory ----------------------------------------------------------------------------------- */
+
+static void test_memory(void) {
+  size_t n = g_small ? (1u << 20) + 3 : (20u << 20) + 5; /* > 2 pinned chunks when not small */
+  void *z = g_gpu->ops.alloc(g_gpu, 0); /* a zero-byte allocation is a valid pointer */
+  CHECK(z != NULL);
+  g_gpu->ops.to_device(g_gpu, z, &n, 0);
+  g_gpu->ops.to_host(g_gpu, &n, z, 0);
+  gfree(z);
+  void *d = g_gpu->ops.alloc(g_gpu, n);
+  REQUIRE(d);
+  unsigned char *h = down(d, n);
+  size_t nz = 0;
+  for (size_t i = 0; i < n; i++) nz += h[i] != 0;
+  CHECKF(nz == 0, "alloc: %zu nonzero bytes", nz);
+  for (size_t i = 0; i < n; i++) h[i] = (unsigned char)rnd();
+  g_gpu->ops.to_device(g_gpu, d, h, n);
+  void *d2 = g_gpu->ops.alloc(g_gpu, n);
+  REQUIRE(d2);
+  g_gpu->ops.copy(g_gpu, d2, d, n);
+  unsigned char *h2 = down(d2, n);
+  CHECKF(memcmp(h, h2, n) == 0, "to_device / copy / to_host round trip differs");
+  /* an unaligned sub-range */
+  unsigned char *h3 = xmalloc(1001);
+  g_gpu->ops.to_host(g_gpu, h3, (char *)d2 + 7, 1001);
+  CHECK(memcmp(h3, h + 7, 1001) == 0);
+  g_gpu->ops.sync(g_gpu);
+  free(h);
+  free(h2);
+  free(h3);
+  gfree(d);
+  gfree(d2);
+}
+
+/* ---- matmul ----------------------------------------------------------------------------------- */
+
+static void test_matmul(int M, int N, int K, pd_dtype wdt, int with_bias) {
+  float *x = rand_f32((size_t)M * K, -1, 1);
+  void *w = rand_dt(wdt, (size_t)N * K, -1.0f / sqrtf((float)K + 1), 1.0f / sqrtf((float)K + 1));
+  float *bias = with_bias ? rand_f32((size_t)N, -1, 1) : NULL;
+  float *ref = xmalloc((size_t)M * N * sizeof *ref);
+  g_cpu->ops.matmul(g_cpu, ref, x, w, wdt, bias, M, N, K);
+
+  float *dx = up(x, (size_t)M * K * 4), *dy = g_gpu->ops.alloc(g_gpu, (size_t)M * N * 4);
+  REQUIRE(dy);
+  void *dw = up(w, (size_t)N * K * pd_dtype_size(wdt));
+  float *db = bias ? up(bias, (size_t)N * 4) : NULL;
+  g_gpu->ops.matmul(g_gpu, dy, dx, dw, wdt, db, M, N, K);
+  float *y = down(dy, (size_t)M * N * 4);
+  double err = rel_err(y, ref, (size_t)M * N);
+  double tol = M <= 8 ? 1e-4 : (wdt == PD_DTYPE_F32 ? 5e-3 : 1.5e-2);
+  CHECKF(err < tol, "matmul M=%d N=%d K=%d %s bias=%d: error %.3g (tolerance %.1g)", M, N, K,
+         dtn(wdt), with_bias, err, tol);
+  if (!(err < tol) || getenv("PD_TEST_VERBOSE"))
+    printf("  matmul M=%d N=%d K=%d %s: %.2e\n", M, N, K, dtn(wdt), err);
+  free(x);
+  free(w);
+  free(bias);
+  free(ref);
+  free(y);
+  gfree(dx);
+  gfree(dy);
+  gfree(dw);
+  if (db) gfree(db);
+}
+
+static void test_matmuls(void) {
+  static const int big[][3] = {{1, 4096, 4096},   {1, 1027, 11003}, {2, 4000, 4096},
+                               {3, 333, 80},      {4, 11003, 64},   {5, 4000, 4001},
+                               {8, 14336, 4096},  {7, 130, 11000},  {9, 4000, 4096},
+                               {33, 11003, 4000}, {300, 1024, 11003}, {4096, 256, 512},
+                               {1, 128256 / 4, 4096}};
+  static const int small[][3] = {{1, 300, 256}, {3, 77, 100}, {8, 64, 4001}, {9, 130, 96},
+                                 {40, 64, 200}};
+  int n = g_small ? (int)(sizeof small / sizeof small[0]) : (int)(sizeof big / sizeof big[0]);
+  for (int i = 0; i < n; i++)
+    for (int d = 0; d < 3; d++) {
+      const int *s = g_small ? small[i] : big[i];
+      test_matmul(s[0], s[1], s[2], k_dts[d], (i + d) % 2);
+    }
+  test_matmul(5, 17, 0, PD_DTYPE_BF16, 1); /* K = 0: y = bias */
+}
+
+/* ---- row ops ---------------------------------------------------------------------------------- */
+
+static void test_norms(int M, int D) {
+  float *x = rand_f32((size_t)M * D, -3, 3), *r = rand_f32((size_t)M * D, -1, 1);
+  float *w = rand_f32((size_t)D, 0.5f, 1.5f);
+  size_t n = (size_t)M * D;
+  float *y = xmalloc(n * 4), *x2 = xmalloc(n * 4);
+  float *dx = up(x, n * 4), *dr = up(r, n * 4), *dw = up(w, (size_t)D * 4);
+  float *dy = g_gpu->ops.alloc(g_gpu, n * 4);
+  REQUIRE(dy);
+  /* rmsnorm, then in place (y aliasing x) */
+  g_cpu->ops.rmsnorm(g_cpu, y, x, w, 1e-5f, M, D);
+  g_gpu->ops.rmsnorm(g_gpu, dy, dx, dw, 1e-5f, M, D);
+  float *gy = down(dy, n * 4);
+  double e1 = rel_err(gy, y, n);
+  CHECKF(e1 < 1e-5, "rmsnorm M=%d D=%d: %.3g", M, D, e1);
+  free(gy);
+  float *dx2 = up(x, n * 4);
+  g_gpu->ops.rmsnorm(g_gpu, dx2, dx2, dw, 1e-5f, M, D);
+  gy = down(dx2, n * 4);
+  e1 = rel_err(gy, y, n);
+  CHECKF(e1 < 1e-5, "rmsnorm in place M=%d D=%d: %.3g", M, D, e1);
+  free(gy);
+  /* add_rmsnorm: x += r (exact), y = rmsnorm(x) */
+  memcpy(x2, x, n * 4);
+  g_cpu->ops.add_rmsnorm(g_cpu, y, x2, r, w, 1e-6f, M, D);
+  g_gpu->ops.add_rmsnorm(g_gpu, dy, dx, dr, dw, 1e-6f, M, D);
+  gy = down(dy, n * 4);
+  float *gx = down(dx, n * 4);
+  e1 = rel_err(gy, y, n);
+  CHECKF(e1 < 1e-5, "add_rmsnorm y M=%d D=%d: %.3g", M, D, e1);
+  CHECKF(memcmp(gx, x2, n * 4) == 0, "add_rmsnorm: x += r differs M=%d D=%d", M, D);
+  free(gy);
+  free(gx);
+  free(x);
+  free(r);
+  free(w);
+  free(y);
+  free(x2);
+  gfree(dx);
+  gfree(dx2);
+  gfree(dr);
+  gfree(dw);
+  gfree(dy);
+}
+
+static void test_embed_rows_add(void) {
+  const int V = 1000, D = g_small ? 96 : 4000, M = 37;
+  int32_t ids[37];
+  for (int i = 0; i < M; i++) ids[i] = i == 0 ? 0 : i == 1 ? V - 1 : irand(V);
+  int32_t *did = up(ids, sizeof ids);
+  for (int d = 0; d < 3; d++) {
+    void *tab = rand_dt(k_dts[d], (size_t)V * D, -2, 2);
+    void *dtab = up(tab, (size_t)V * D * pd_dtype_size(k_dts[d]));
+    float *ref = xmalloc((size_t)M * D * 4);
+    float *dy = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
+    g_cpu->ops.embed(g_cpu, ref, tab, k_dts[d], ids, M, D);
+    g_gpu->ops.embed(g_gpu, dy, dtab, k_dts[d], did, M, D);
+    float *y = down(dy, (size_t)M * D * 4);
+    CHECKF(memcmp(y, ref, (size_t)M * D * 4) == 0, "embed %s differs", dtn(k_dts[d]));
+    free(tab);
+    free(ref);
+    free(y);
+    gfree(dtab);
+    gfree(dy);
+  }
+  /* get_rows: 50 rows of a [300, D] matrix, repeats allowed */
+  {
+    const int R = 300, n = 50;
+    float *x = rand_f32((size_t)R * D, -1, 1);
+    int32_t idx[50];
+    for (int i = 0; i < n; i++) idx[i] = irand(R);
+    float *ref = xmalloc((size_t)n * D * 4);
+    g_cpu->ops.get_rows(g_cpu, ref, x, idx, n, D);
+    float *dx = up(x, (size_t)R * D * 4);
+    int32_t *di = up(idx, sizeof idx);
+    float *dy = g_gpu->ops.alloc(g_gpu, (size_t)n * D * 4);
+    g_gpu->ops.get_rows(g_gpu, dy, dx, di, n, D);
+    float *y = down(dy, (size_t)n * D * 4);
+    CHECKF(memcmp(y, ref, (size_t)n * D * 4) == 0, "get_rows differs");
+    free(x);
+    free(ref);
+    free(y);
+    gfree(dx);
+    gfree(di);
+    gfree(dy);
+  }
+  /* add: an odd length, and an odd offset (unaligned float4 body) */
+  {
+    const size_t n = g_small ? 10003 : 1000003;
+    float *x = rand_f32(n, -1, 1), *y = rand_f32(n, -1, 1);
+    float *dx = up(x, n * 4), *dy = up(y, n * 4);
+    g_gpu->ops.add(g_gpu, dy, dx, n);
+    g_gpu->ops.add(g_gpu, dy + 1, dx + 1, n - 2);
+    g_cpu->ops.add(g_cpu, y, x, n);
+    g_cpu->ops.add(g_cpu, y + 1, x + 1, n - 2);
+    float *gy = down(dy, n * 4);
+    CHECKF(memcmp(gy, y, n * 4) == 0, "add differs");
+    free(x);
+    free(y);
+    free(gy);
+    gfree(dx);
+    gfree(dy);
+  }
+  gfree(did);
+}
+
+static void test_rope_swiglu(void) {
+  static const int hds[3] = {64, 80, 128};
+  const int M = g_small ? 9 : 200, nq = 6, nkv = 2;
+  for (int h = 0; h < 3; h++) {
+    int hd = hds[h], half = hd / 2;
+    float *inv = xmalloc((size_t)half * 4);
+    for (int i = 0; i < half; i++) inv[i] = powf(500000.0f, -2.0f * i / hd);
+    int32_t *pos = xmalloc((size_t)M * 4);
+    for (int i = 0; i < M; i++) pos[i] = i < M / 2 ? i : irand(131072);
+    size_t nqe = (size_t)M * nq * hd, nke = (size_t)M * nkv * hd;
+    float *q = rand_f32(nqe, -2, 2), *k = rand_f32(nke, -2, 2);
+    float *dq = up(q, nqe * 4), *dk = up(k, nke * 4), *dinv = up(inv, (size_t)half * 4);
+    int32_t *dpos = up(pos, (size_t)M * 4);
+    g_cpu->ops.rope(g_cpu, q, k, pos, inv, M, nq, nkv, hd);
+    g_gpu->ops.rope(g_gpu, dq, dk, dpos, dinv, M, nq, nkv, hd);
+    float *gq = down(dq, nqe * 4), *gk = down(dk, nke * 4);
+    double eq = rel_err(gq, q, nqe), ek = rel_err(gk, k, nke);
+    CHECKF(eq < 2e-5 && ek < 2e-5, "rope hd=%d: q %.3g k %.3g", hd, eq, ek);
+    free(inv);
+    free(pos);
+    free(q);
+    free(k);
+    free(gq);
+    free(gk);
+    gfree(dq);
+    gfree(dk);
+    gfree(dinv);
+    gfree(dpos);
+  }
+  const int F = g_small ? 1003 : 11003, Ms = 33;
+  float *gu = rand_f32((size_t)Ms * 2 * F, -6, 6), *ref = xmalloc((size_t)Ms * F * 4);
+  g_cpu->ops.swiglu(g_cpu, ref, gu, Ms, F);
+  float *dgu = up(gu, (size_t)Ms * 2 * F * 4), *dy = g_gpu->ops.alloc(g_gpu, (size_t)Ms * F * 4);
+  g_gpu->ops.swiglu(g_gpu, dy, dgu, Ms, F);
+  float *y = down(dy, (size_t)Ms * F * 4);
+  double e = rel_err(y, ref, (size_t)Ms * F);
+  CHECKF(e < 1e-5, "swiglu: %.3g", e);
+  free(gu);
+  free(ref);
+  free(y);
+  gfree(dgu);
+  gfree(dy);
+}
+
+/* ---- KV cache write --------------------------------------------------------------------------- */
+
+static void test_kv_write(int bs, pd_dtype dt) {
+  const int nb = 40, nkv = 2, hd = 80, M = 100;
+  pd_kv_shape sh = {nb, bs, nkv, hd, dt};
+  size_t ce = (size_t)nb * nkv * bs * hd, cb = ce * pd_dtype_size(dt);
+  void *kc = rand_dt(dt, ce, -1, 1), *vc = rand_dt(dt, ce, -1, 1);
+  float *k = rand_f32((size_t)M * nkv * hd, -3, 3), *v = rand_f32((size_t)M * nkv * hd, -3, 3);
+  int32_t slots[100];
+  for (int i = 0; i < M; i++) slots[i] = i % 7 == 3 ? -1 : (int32_t)((i * 37 + 5) % (nb * bs));
+  pd_kv_layer dl = {up(kc, cb), up(vc, cb)}, hl = {kc, vc};
+  float *dk = up(k, (size_t)M * nkv * hd * 4), *dv = up(v, (size_t)M * nkv * hd * 4);
+  int32_t *ds = up(slots, sizeof slots);
+  g_cpu->ops.kv_write(g_cpu, &hl, &sh, k, v, slots, M);
+  g_gpu->ops.kv_write(g_gpu, &dl, &sh, dk, dv, ds, M);
+  void *gk = down(dl.k, cb), *gv = down(dl.v, cb);
+  CHECKF(memcmp(gk, kc, cb) == 0 && memcmp(gv, vc, cb) == 0, "kv_write bs=%d %s differs", bs,
+         dtn(dt));
+  free(kc);
+  free(vc);
+  free(k);
+  free(v);
+  free(gk);
+  free(gv);
+  gfree(dl.k);
+  gfree(dl.v);
+  gfree(dk);
+  gfree(dv);
+  gfree(ds);
+}
+
+/* ---- attention -------------------------------------------------------------------------------- */
+
+typedef struct attn_case {
+  const char *name;
+  int n_seqs;
+  const int *n_new, *ctx; /* per sequence */
+  int nq, nkv, hd, bs;
+  pd_dtype dt;
+  int window;
+  double tol;
+} attn_case;
+
+/* Builds a paged cache whose blocks are handed out in shuffled order, fills the owned slots with
+ * random values and everything else (tails, unused blocks, the unused block-table columns' block)
+ * with NaN, runs attention on both backends and compares. */
+static void run_attn(const attn_case *c) {
+  const int S = c->n_seqs, bs = c->bs;
+  int T = 0, max_ctx = 0, max_blocks = 1, used = 0;
+  for (int s = 0; s < S; s++) {
+    T += c->n_new[s];
+    if (c->ctx[s] > max_ctx) max_ctx = c->ctx[s];
+    int nb = (c->ctx[s] + bs - 1) / bs;
+    if (nb > max_blocks) max_blocks = nb;
+    used += nb;
+  }
+  max_blocks += 1; /* a spare column: never read */
+  const int num_blocks = used + 5, poison = used + 2;
+  int32_t *perm = xmalloc((size_t)num_blocks * 4);
+  for (int i = 0; i < num_blocks; i++) perm[i] = i;
+  for (int i = num_blocks - 1; i > 0; i--) {
+    int j = irand(i + 1);
+    int32_t t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  /* the poison block must stay out of the tables: swap it to the end of the permutation */
+  for (int i = 0; i < num_blocks; i++)
+    if (perm[i] == poison) {
+      perm[i] = perm[num_blocks - 1];
+      perm[num_blocks - 1] = poison;
+    }
+  int32_t *bt = xmalloc((size_t)S * max_blocks * 4), *qs = xmalloc((size_t)(S + 1) * 4);
+  int next = 0;
+  qs[0] = 0;
+  for (int s = 0; s < S; s++) {
+    int nb = (c->ctx[s] + bs - 1) / bs;
+    for (int j = 0; j < max_blocks; j++) bt[(size_t)s * max_blocks + j] = j < nb ? perm[next++] : poison;
+    qs[s + 1] = qs[s] + c->n_new[s];
+  }
+  const size_t ce = (size_t)num_blocks * c->nkv * bs * c->hd, esz = pd_dtype_size(c->dt);
+  void *kc = rand_dt(c->dt, ce, -1, 1), *vc = rand_dt(c->dt, ce, -1, 1);
+  /* NaN everywhere no sequence owns */
+  char *owned = calloc((size_t)num_blocks * bs, 1);
+  REQUIRE(owned);
+  for (int s = 0; s < S; s++)
+    for (int t = 0; t < c->ctx[s]; t++) owned[(size_t)bt[(size_t)s * max_blocks + t / bs] * bs + t % bs] = 1;
+  for (int b = 0; b < num_blocks; b++)
+    for (int g = 0; g < c->nkv; g++)
+      for (int o = 0; o < bs; o++)
+        if (!owned[(size_t)b * bs + o])
+          for (int d = 0; d < c->hd; d++) {
+            size_t i = (((size_t)b * c->nkv + g) * bs + o) * c->hd + d;
+            set_nan(kc, c->dt, i);
+            set_nan(vc, c->dt, i);
+          }
+  const size_t qn = (size_t)T * c->nq * c->hd;
+  float *q = rand_f32(qn, -2, 2), *ref = xmalloc(qn * 4);
+  pd_kv_shape sh = {num_blocks, bs, c->nkv, c->hd, c->dt};
+  pd_kv_layer hl = {kc, vc};
+  pd_attn_batch hb = {S, T, qs, c->ctx, bt, max_blocks, max_ctx};
+  const float scale = 1.0f / sqrtf((float)c->hd);
+  g_cpu->ops.attention(g_cpu, ref, q, &hl, &sh, &hb, c->nq, scale, c->window);
+
+  pd_kv_layer dl = {up(kc, ce * esz), up(vc, ce * esz)};
+  int32_t *dqs = up(qs, (size_t)(S + 1) * 4), *dctx = up(c->ctx, (size_t)S * 4);
+  int32_t *dbt = up(bt, (size_t)S * max_blocks * 4);
+  float *dq = up(q, qn * 4), *dout = g_gpu->ops.alloc(g_gpu, qn * 4);
+  pd_attn_batch db = {S, T, dqs, dctx, dbt, max_blocks, max_ctx};
+  g_gpu->ops.attention(g_gpu, dout, dq, &dl, &sh, &db, c->nq, scale, c->window);
+  float *out = down(dout, qn * 4);
+  double err = rel_err(out, ref, qn);
+  CHECKF(err < c->tol, "attention %s (seqs %d, tokens %d, heads %d/%d, hd %d, bs %d, %s, window %d): "
+         "error %.3g (tolerance %.1g)", c->name, S, T, c->nq, c->nkv, c->hd, bs, dtn(c->dt),
+         c->window, err, c->tol);
+  printf("  attention %-22s seqs %4d tokens %5d heads %2d/%d hd %3d bs %2d %-4s window %4d: %.2e\n",
+         c->name, S, T, c->nq, c->nkv, c->hd, bs, dtn(c->dt), c->window, err);
+  free(perm);
+  free(bt);
+  free(qs);
+  free(kc);
+  free(vc);
+  free(owned);
+  free(q);
+  free(ref);
+  free(out);
+  gfree(dl.k);
+  gfree(dl.v);
+  gfree(dqs);
+  gfree(dctx);
+  gfree(dbt);
+  gfree(dq);
+  gfree(dout);
+}
+
+static void test_attention(void) {
+  enum { MAXS = 256 };
+  static int n_new[MAXS], ctx[MAXS];
+  const double tol_f32 = 1e-4, tol_tc = 1.5e-2;
+  const int scale = g_small ? 8 : 1; /* contexts shrink by this in small mode */
+
+  /* decode: ragged contexts (one of 1 token, one past 4096), every head layout and dtype */
+  static const int layouts[][3] = {{32, 8, 128}, {6, 2, 64}, {8, 8, 80}, {16, 2, 64}, {24, 2, 128}};
+  int S = g_small ? 9 : 37;
+  for (int s = 0; s < S; s++) {
+    n_new[s] = 1;
+    ctx[s] = s == 0 ? 1 : s == 1 ? 4200 / scale : 1 + irand(3000 / scale);
+  }
+  for (int l = 0; l < 5; l++)
+    for (int d = 0; d < 3; d++) {
+      attn_case c = {"decode", S, n_new, ctx, layouts[l][0], layouts[l][1], layouts[l][2],
+                     (l + d) % 2 ? 32 : 16, k_dts[d], 0, tol_f32};
+      run_attn(&c);
+      if (d == 2) {
+        c.window = 500 / scale;
+        c.name = "decode window";
+        run_attn(&c);
+      }
+    }
+  /* many short decodes (no split) */
+  S = g_small ? 40 : 200;
+  for (int s = 0; s < S; s++) {
+    n_new[s] = 1;
+    ctx[s] = 1 + irand(100);
+  }
+  {
+    attn_case c = {"decode many", S, n_new, ctx, 8, 2, 128, 16, PD_DTYPE_BF16, 0, tol_f32};
+    run_attn(&c);
+  }
+
+  /* mixed prefill: whole prompts, chunks over a cached prefix, decodes in the same batch */
+  static const int mix_new[] = {1, 700, 37, 1, 130, 64, 3, 255};
+  static const int mix_ctx[] = {1, 700, 1200, 513, 130, 80, 900, 256};
+  S = 8;
+  for (int s = 0; s < S; s++) {
+    n_new[s] = g_small ? (mix_new[s] + 7) / 8 : mix_new[s];
+    ctx[s] = g_small ? (mix_ctx[s] + 7) / 8 : mix_ctx[s];
+    if (ctx[s] < n_new[s]) ctx[s] = n_new[s];
+  }
+  for (int l = 0; l < 5; l++)
+    for (int d = 0; d < 3; d++) {
+      attn_case c = {"prefill mixed", S, n_new, ctx, layouts[l][0], layouts[l][1],
+                     layouts[l][2], (l + d) % 2 ? 16 : 32, k_dts[d], 0, tol_tc};
+      run_attn(&c);
+      if (d == 0) {
+        c.window = 100 / (g_small ? 4 : 1);
+        c.name = "prefill window";
+        run_attn(&c);
+      }
+    }
+  /* a short chunk on a long prefix: few tiles, so the prefill kernel splits the context */
+  n_new[0] = 16;
+  ctx[0] = 6000 / scale;
+  n_new[1] = 1;
+  ctx[1] = 3000 / scale;
+  for (int d = 0; d < 3; d++) {
+    attn_case c = {"prefill long prefix", 2, n_new, ctx, 32, 8, 128, 16, k_dts[d], 0, tol_tc};
+    run_attn(&c);
+  }
+  /* one long prompt */
+  if (!g_small) {
+    n_new[0] = ctx[0] = 4096;
+    attn_case c = {"prefill 4096", 1, n_new, ctx, 8, 2, 128, 16, PD_DTYPE_BF16, 0, tol_tc};
+    run_attn(&c);
+    c.window = 1000;
+    c.name = "prefill 4096 window";
+    run_attn(&c);
+  }
+  /* untuned head dims: the generic kernel (f32 math) */
+  static const int gen_new[] = {1, 40, 1, 9};
+  static const int gen_ctx[] = {300, 40, 1, 100};
+  for (int h = 0; h < 2; h++)
+    for (int d = 0; d < 3; d++) {
+      attn_case c = {"generic head dim", 4, gen_new, gen_ctx, 6, 2, h ? 96 : 32, 16, k_dts[d],
+                     d == 1 ? 30 : 0, tol_f32};
+      run_attn(&c);
+    }
+}
+
+int main(int argc, char **argv) {
+  g_small = argc > 1 && strcmp(argv[1], "small") == 0;
+  int ndev = pd_cuda_device_count();
+  if (ndev == 0) {
+    printf("test_cuda_ops: no CUDA device, skipped\n");
+    return 77;
+  }
+  pd_err e = {0};
+  g_cpu = pd_backend_cpu_create(NULL, &e);
+  REQUIRE(g_cpu);
+  g_gpu = pd_backend_cuda_create(NULL, &e);
+  if (!g_gpu) {
+    fprintf(stderr, "pd_backend_cuda_create: %s\n", e.msg);
+    return 1;
+  }
+  REQUIRE(strcmp(g_gpu->ops.name, "cuda") == 0 && !g_gpu->host_memory);
+  REQUIRE(pd_backend_cuda_stream(g_gpu) != NULL && pd_backend_cuda_stream(g_cpu) == NULL);
+  /* device ordinal out of range */
+  pd_backend_opts bad = {0, ndev};
+  CHECK(pd_backend_cuda_create(&bad, &e) == NULL && e.code == PD_EINVAL);
+
+  test_memory();
+  test_matmuls();
+  static const int norm_shapes[][2] = {{1, 4096}, {7, 4000}, {300, 11003}, {4096, 64}, {3, 5}};
+  for (int i = g_small ? 2 : 0; i < 5; i++)
+    test_norms(g_small && i == 2 ? 9 : norm_shapes[i][0], g_small && i == 2 ? 1003 : norm_shapes[i][1]);
+  test_embed_rows_add();
+  test_rope_swiglu();
+  for (int d = 0; d < 3; d++) {
+    test_kv_write(16, k_dts[d]);
+    test_kv_write(32, k_dts[d]);
+  }
+  test_attention();
+
+  g_gpu->ops.sync(g_gpu);
+  CHECKF(pd_backend_cuda_status(g_gpu, &e) == PD_OK, "backend status: %s", e.msg);
+  pd_backend_destroy(g_gpu);
+  pd_backend_destroy(g_cpu);
+  return pd_test_finish("test_cuda_ops");
+}
