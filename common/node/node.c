@@ -1,0 +1,557 @@
+/* pd_node: the part of pd-prefill and pd-decode that is not about their role (node.h). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "node.h"
+#include "pd/kvcache.h"
+
+/* ---- flags ---- */
+
+int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
+  memset(o, 0, sizeof *o);
+  pd_runtime_opts_default(&o->rt);
+  o->router_ep = "tcp://127.0.0.1:5600";
+  o->bind = "127.0.0.1";
+  o->kv_chunk_mb = 4;
+  bool decode = role == PD__ROLE__ROLE_DECODE;
+  pd_opt opts[48] = {
+      {"model", PD_OPT_STR, &o->model_dir, "DIR", "Hugging Face model folder (required)", NULL},
+      {"served-model-name", PD_OPT_STR, &o->served_name, "NAME",
+       "model name clients use (default: the folder's name)", NULL},
+      {"router", PD_OPT_STR, &o->router_ep, "ENDPOINT",
+       "the router's cluster port (tcp://127.0.0.1:5600)", NULL},
+      {"node-id", PD_OPT_STR, &o->node_id, "ID", "unique node name (default <role>-<host>-<pid>)",
+       NULL},
+      {"bind", PD_OPT_STR, &o->bind, "HOST", "bind address of the KV and metrics ports (127.0.0.1)",
+       NULL},
+      {"advertise-host", PD_OPT_STR, &o->advertise, "HOST",
+       "host others use to reach this node (default: --bind)", NULL},
+      {"kv-port", PD_OPT_INT, &o->kv_port, "N", "decode: KV port (0 = a free one)", NULL},
+      {"metrics-port", PD_OPT_INT, &o->metrics_port, "N",
+       "HTTP /metrics and /health port (0 = a free one, -1 = off)", NULL},
+      {"kv-chunk-mb", PD_OPT_INT, &o->kv_chunk_mb, "MB", "prefill: KV bytes per message (4)",
+       NULL},
+      {"curve-secret-file", PD_OPT_STR, &o->curve_secret_file, "FILE",
+       "this node's CURVE keypair (zcert format)", NULL},
+      {"curve-secret-key", PD_OPT_STR, &o->curve_secret_key, "Z85",
+       "this node's CURVE secret key", NULL},
+      {"router-public-key", PD_OPT_STR, &o->router_public_key, "Z85",
+       "the router's CURVE public key (enables CURVE toward the router)", NULL},
+      {"curve-allow-file", PD_OPT_STR, &o->curve_allow_file, "FILE",
+       "decode: admit only these public keys on the KV port", NULL},
+      {"ready-file", PD_OPT_STR, &o->ready_file, "PATH",
+       "write a JSON status file once registered", NULL},
+      {"verbose", PD_OPT_BOOL, &o->verbose, NULL, "debug logs", NULL},
+      {"help", PD_OPT_BOOL, &o->help, NULL, "show this help", NULL},
+  };
+  int n0 = 16;
+  if (pd_runtime_opts_table(&o->rt, opts + n0, 48 - n0) < 0) return 1;
+  const char *prog = decode ? "pd-decode" : "pd-prefill";
+  pd_err e = {0};
+  if (pd_opts_parse(opts, argc, argv, 1, &e) != PD_OK) {
+    fprintf(stderr, "%s: %s (see --help)\n", prog, e.msg);
+    return 1;
+  }
+  if (o->help) {
+    printf("usage: %s --model DIR [--router tcp://HOST:PORT] [options]\n", prog);
+    pd_opts_usage(stdout, opts);
+    return 2;
+  }
+  if (!o->model_dir) {
+    fprintf(stderr, "%s: --model DIR is required\n", prog);
+    return 1;
+  }
+  if (o->kv_port < 0 || o->kv_port > 65535 || o->metrics_port < -1 || o->metrics_port > 65535) {
+    fprintf(stderr, "%s: ports must be in [0, 65535] (--metrics-port -1 = off)\n", prog);
+    return 1;
+  }
+  if (o->kv_chunk_mb < 1 || o->kv_chunk_mb > 64) {
+    fprintf(stderr, "%s: --kv-chunk-mb must be in [1, 64]\n", prog);
+    return 1;
+  }
+  if (o->node_id && !pd_wire_id_ok(o->node_id)) {
+    fprintf(stderr, "%s: --node-id must be 1..128 bytes of [A-Za-z0-9._:/@+-]\n", prog);
+    return 1;
+  }
+  return 0;
+}
+
+/* ---- helpers ---- */
+
+uint64_t pd_node_cache_salt(const char *s) {
+  if (!s || !*s) return 0;
+  uint64_t h = pd_kv_hash_root(s, strlen(s), 0);
+  return h ? h : 1;
+}
+
+void pd_node_geometry(const pd_node *n, Pd__KvGeometry *g) {
+  pd__kv_geometry__init(g);
+  g->num_layers = (uint32_t)n->pages.num_layers;
+  g->num_kv_heads = (uint32_t)n->pages.num_kv_heads;
+  g->head_dim = (uint32_t)n->pages.head_dim;
+  g->block_size = (uint32_t)n->pages.block_size;
+  g->dtype = pd_wire_dtype_from_pd(n->pages.dtype);
+  g->total_blocks = (uint32_t)n->pages.num_blocks;
+  g->kv_head_begin = (uint32_t)n->pages.head_offset;
+  g->kv_head_end = (uint32_t)(n->pages.head_offset + n->pages.num_kv_heads);
+}
+
+void pd_node_logprob(const pd_logprobs *lp, Pd__TokenLogprob *out, Pd__TopLogprob **top_buf,
+                     Pd__TopLogprob *top_store) {
+  pd__token_logprob__init(out);
+  out->token_id = lp->token;
+  out->logprob = lp->logprob > 0 ? 0 : lp->logprob;
+  out->rank = (uint32_t)(lp->rank > 0 ? lp->rank : 1);
+  int k = lp->n_top < 0 ? 0 : lp->n_top > PD_SAMPLE_MAX_LOGPROBS ? PD_SAMPLE_MAX_LOGPROBS : lp->n_top;
+  for (int i = 0; i < k; i++) {
+    pd__top_logprob__init(&top_store[i]);
+    top_store[i].token_id = lp->top[i].id;
+    top_store[i].logprob = lp->top[i].logprob > 0 ? 0 : lp->top[i].logprob;
+    top_buf[i] = &top_store[i];
+  }
+  out->n_top = (size_t)k;
+  out->top = k ? top_buf : NULL;
+}
+
+/* ---- sending ---- */
+
+void pd_node_send(pd_node *n, Pd__Envelope *env) {
+  pd_err e = {0};
+  if (pd_outbox_send(&n->router, env, NULL, NULL, 0, &e) != PD_OK)
+    pd_log(PD_LOG_ERROR, "cannot send %s to the router: %s", pd_wire_body_name(env->body_case),
+           e.msg);
+}
+
+void pd_node_send_error(pd_node *n, Pd__ErrorCode code, const char *request_id, bool retryable,
+                        const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  /* keep the message printable ASCII (the wire wants UTF-8; engine messages are ASCII) */
+  for (char *p = msg; *p; p++)
+    if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e) *p = '?';
+  Pd__Error err;
+  pd__error__init(&err);
+  err.code = code;
+  err.message = msg;
+  err.request_id = (char *)(request_id && pd_wire_id_ok(request_id) ? request_id : "");
+  err.retryable = retryable;
+  Pd__Envelope env;
+  pd_wire_envelope_init(&env);
+  env.body_case = PD__ENVELOPE__BODY_ERROR;
+  env.error = &err;
+  pd_node_send(n, &env);
+}
+
+static void send_register(pd_node *n) {
+  Pd__Register r;
+  pd__register__init(&r);
+  r.node_id = n->node_id;
+  r.role = n->role;
+  r.model = n->model_name;
+  r.model_fingerprint = n->fingerprint;
+  r.incarnation = n->incarnation;
+  r.kv_endpoint = n->kv_endpoint;
+  if (n->kv_curve) {
+    r.kv_curve_public_key.data = n->kv_public_key;
+    r.kv_curve_public_key.len = PD_CURVE_KEY_BYTES;
+  }
+  Pd__KvGeometry g;
+  pd_node_geometry(n, &g);
+  r.kv = &g;
+  r.vocab_size = (uint32_t)n->rt.model->cfg.vocab_size;
+  r.max_model_len = (uint32_t)pd_engine_get_opts(n->rt.eng)->max_model_len;
+  r.tp_size = 1;
+  r.max_batch_tokens = (uint32_t)pd_engine_get_opts(n->rt.eng)->max_batch_tokens;
+  Pd__Load load;
+  pd__load__init(&load);
+  if (n->hooks.fill_load) n->hooks.fill_load(n, &load);
+  r.load = &load;
+  Pd__Envelope env;
+  pd_wire_envelope_init(&env);
+  env.body_case = PD__ENVELOPE__BODY_REGISTER_NODE;
+  env.register_node = &r;
+  pd_node_send(n, &env);
+}
+
+/* ---- the heartbeat thread ---- */
+
+static void *hb_main(void *ud) {
+  pd_node *n = ud;
+  pd_err e = {0};
+  char rid[PD_WIRE_ID_MAX_BYTES + 8];
+  snprintf(rid, sizeof rid, "%s/hb", n->node_id);
+  pd_net_sock_opts so;
+  pd_net_sock_opts_init(&so, ZMQ_DEALER);
+  so.routing_id = rid;
+  so.send_timeout_ms = 0;
+  so.sndhwm = 4; /* a heartbeat that cannot leave now is stale by the next one */
+  if (n->o.router_public_key) {
+    so.curve_keys = &n->keys;
+    so.curve_server_key = n->o.router_public_key;
+  }
+  void *sock = pd_net_socket(n->zctx, &so, &e);
+  if (!sock || pd_net_connect(sock, n->o.router_ep, &e) != PD_OK) {
+    pd_log(PD_LOG_ERROR, "heartbeat socket: %s", e.msg);
+    pd_net_close(sock);
+    return NULL;
+  }
+  pd_wire_limits lim;
+  pd_wire_limits_init(&lim);
+  pd_net_msg m;
+  pd_net_msg_init(&m);
+  uint64_t seq = 0;
+  int64_t next = 0;
+  while (!atomic_load(&n->hb_stop)) {
+    int64_t now = pd_now_ms();
+    if (atomic_load(&n->hb_registered) && now >= next) {
+      next = now + atomic_load(&n->hb_interval_ms);
+      if (now - atomic_load(&n->hb_progress_ms) < PD_NODE_STALL_MS) {
+        Pd__Heartbeat h;
+        pd__heartbeat__init(&h);
+        h.node_id = n->node_id;
+        h.seq = ++seq;
+        Pd__Load load;
+        pthread_mutex_lock(&n->hb_mu);
+        load = n->hb_load;
+        pthread_mutex_unlock(&n->hb_mu);
+        h.load = &load;
+        Pd__Envelope env;
+        pd_wire_envelope_init(&env);
+        env.body_case = PD__ENVELOPE__BODY_HEARTBEAT;
+        env.heartbeat = &h;
+        env.sender = n->node_id;
+        env.seq = seq;
+        pd_net_send(sock, NULL, 0, &env, NULL, 0, NULL); /* PD_EFULL: the next one will do */
+      }
+    }
+    bool got = false;
+    pd_status st = pd_net_recv(sock, 50, &lim, &m, &got, &e);
+    if (got && st == PD_OK && m.wire.env->body_case == PD__ENVELOPE__BODY_HEARTBEAT_ACK) {
+      atomic_store(&n->hb_last_ack_ms, pd_now_ms());
+      if (m.wire.env->heartbeat_ack->reregister) atomic_store(&n->hb_reregister, true);
+    } else if (!got && st != PD_OK) {
+      break; /* the context is going away */
+    }
+  }
+  pd_net_msg_clear(&m);
+  pd_net_close(sock);
+  return NULL;
+}
+
+void pd_node_deregister(pd_node *n, const char *reason, int timeout_ms) {
+  if (!n->router_sock) return;
+  Pd__Deregister d;
+  pd__deregister__init(&d);
+  d.node_id = n->node_id;
+  d.reason = (char *)reason;
+  Pd__Envelope env;
+  pd_wire_envelope_init(&env);
+  env.body_case = PD__ENVELOPE__BODY_DEREGISTER;
+  env.deregister = &d;
+  pd_node_send(n, &env);
+  int64_t end = pd_now_ms() + timeout_ms;
+  while (pd_outbox_flush(&n->router) > 0 && pd_now_ms() < end) usleep(5000);
+  usleep(20000); /* let the I/O thread put the last message on the wire (linger is 0) */
+}
+
+/* ---- the loop's share ---- */
+
+static void write_ready(pd_node *n) {
+  if (n->ready_written || !n->o.ready_file) return;
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "pid", (double)getpid());
+  cJSON_AddStringToObject(o, "node_id", n->node_id);
+  cJSON_AddStringToObject(o, "role", n->role == PD__ROLE__ROLE_DECODE ? "decode" : "prefill");
+  cJSON_AddNumberToObject(o, "metrics_port", n->statsd ? pd_statsd_port(n->statsd) : -1);
+  cJSON_AddStringToObject(o, "kv_endpoint", n->kv_endpoint);
+  pd_err e = {0};
+  if (pd_ready_file_write(n->o.ready_file, o, &e) != PD_OK) pd_log(PD_LOG_ERROR, "%s", e.msg);
+  else n->ready_written = true;
+  cJSON_Delete(o);
+}
+
+static void on_register_ack(pd_node *n, const Pd__RegisterAck *a) {
+  int64_t now = pd_now_ms();
+  if (!a->accepted) {
+    pd_log(PD_LOG_ERROR, "the router refused the registration: %s",
+           a->error && a->error->message ? a->error->message : "(no reason)");
+    n->next_register_ms = now + 5000;
+    return;
+  }
+  if (n->router_incarnation && a->router_incarnation != n->router_incarnation &&
+      n->hooks.on_router_reset) {
+    pd_log(PD_LOG_WARN, "the router restarted: dropping the requests of its predecessor");
+    n->hooks.on_router_reset(n);
+  }
+  bool again = n->router_incarnation != 0;
+  n->router_incarnation = a->router_incarnation;
+  n->registered = true;
+  n->hb_timeout_ms = a->heartbeat_timeout_ms ? a->heartbeat_timeout_ms : 2500;
+  atomic_store(&n->hb_interval_ms, a->heartbeat_interval_ms ? a->heartbeat_interval_ms : 500);
+  atomic_store(&n->hb_last_ack_ms, now);
+  atomic_store(&n->hb_reregister, false);
+  atomic_store(&n->hb_registered, true);
+  atomic_store(&n->healthy, true);
+  pd_metric_set(n->m_registered, 1);
+  pd_log(PD_LOG_INFO, "registered with the router at %s as %s (heartbeat %u ms)%s",
+         n->o.router_ep, n->node_id, atomic_load(&n->hb_interval_ms), again ? "" : "; ready");
+  write_ready(n);
+}
+
+void pd_node_drain_router(pd_node *n) {
+  pd_net_msg m;
+  pd_net_msg_init(&m);
+  for (int i = 0; i < 10000; i++) {
+    bool got = false;
+    pd_err e = {0};
+    pd_status st = pd_net_recv(n->router_sock, 0, &n->lim, &m, &got, &e);
+    if (!got) {
+      if (st != PD_OK) pd_log(PD_LOG_ERROR, "router socket: %s", e.msg);
+      break;
+    }
+    if (st != PD_OK) {
+      pd_log(PD_LOG_WARN, "dropped a malformed message from the router: %s", e.msg);
+      continue;
+    }
+    const Pd__Envelope *env = m.wire.env;
+    switch (env->body_case) {
+      case PD__ENVELOPE__BODY_REGISTER_ACK:
+        on_register_ack(n, env->register_ack);
+        break;
+      case PD__ENVELOPE__BODY_HEARTBEAT_ACK: /* heartbeats go on their own socket */
+        break;
+      default:
+        if (n->hooks.on_router_msg) n->hooks.on_router_msg(n, env);
+        break;
+    }
+  }
+  pd_net_msg_clear(&m);
+}
+
+int64_t pd_node_tick(pd_node *n) {
+  int64_t now = pd_now_ms();
+  atomic_store(&n->hb_progress_ms, now);
+  if (now >= n->next_load_ms) { /* the snapshot the heartbeat thread sends */
+    Pd__Load load;
+    pd__load__init(&load);
+    if (n->hooks.fill_load) n->hooks.fill_load(n, &load);
+    pthread_mutex_lock(&n->hb_mu);
+    n->hb_load = load;
+    pthread_mutex_unlock(&n->hb_mu);
+    n->next_load_ms = now + 100;
+  }
+  if (atomic_exchange(&n->hb_reregister, false) && n->registered) {
+    pd_log(PD_LOG_WARN, "the router does not know this node: registering again");
+    if (n->hooks.on_router_reset) n->hooks.on_router_reset(n);
+    n->registered = false;
+    n->next_register_ms = 0;
+    atomic_store(&n->hb_registered, false);
+    pd_metric_set(n->m_registered, 0);
+  }
+  if (!n->registered) {
+    atomic_store(&n->healthy, false);
+    if (now >= n->next_register_ms) {
+      /* a Register stuck behind an absent router would only pile up: send when the queue is
+       * empty (the DEALER refuses messages while it has no connection) */
+      if (n->router.n_msgs == 0) send_register(n);
+      n->next_register_ms = now + 1000;
+    }
+  } else {
+    bool ok = now - atomic_load(&n->hb_last_ack_ms) < (int64_t)n->hb_timeout_ms;
+    atomic_store(&n->healthy, ok);
+  }
+  pd_outbox_flush(&n->router);
+  int64_t wait = n->registered ? 100 : n->next_register_ms - now;
+  if (n->router.n_msgs) wait = wait < 5 ? wait : 5;
+  return wait < 0 ? 0 : wait;
+}
+
+void pd_node_update_metrics(pd_node *n) {
+  pd_sched_stats s;
+  pd_sched_get_stats(n->rt.sched, &s);
+  pd_kv_stats ks;
+  pd_kv_pool_stats(n->rt.pool, &ks);
+  pd_metric_set(n->m_running, s.running);
+  pd_metric_set(n->m_waiting, s.waiting);
+  pd_metric_set(n->m_kv_usage, ks.usage);
+  pd_metric_set(n->m_kv_free, ks.free + ks.evictable);
+  pd_metric_set(n->m_kv_total, ks.num_blocks);
+  pd_metric_add(n->m_gen_tokens, (double)(s.generated_tokens - n->last_stats.generated_tokens));
+  pd_metric_add(n->m_prompt_tokens, (double)(s.prompt_tokens - n->last_stats.prompt_tokens));
+  pd_metric_add(n->m_steps, (double)(s.steps - n->last_stats.steps));
+  pd_metric_add(n->m_preemptions, (double)(s.preemptions - n->last_stats.preemptions));
+  double q = pd_metric_value(n->m_prefix_queries), h = pd_metric_value(n->m_prefix_hits);
+  pd_metric_add(n->m_prefix_queries, (double)ks.prefix_queries - q);
+  pd_metric_add(n->m_prefix_hits, (double)ks.prefix_hits - h);
+  pd_metric_set(n->m_prefix_rate, ks.prefix_queries ? (double)ks.prefix_hits / (double)ks.prefix_queries : 0);
+  n->last_stats = s;
+}
+
+/* ---- open / close ---- */
+
+static void default_node_id(pd_node *n) {
+  char host[64] = "local";
+  gethostname(host, sizeof host - 1);
+  host[sizeof host - 1] = 0;
+  for (char *p = host; *p; p++) {
+    char c = *p;
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '-' || c == '_';
+    if (!ok) *p = '_';
+  }
+  snprintf(n->node_id, sizeof n->node_id, "%s-%.60s-%d",
+           n->role == PD__ROLE__ROLE_DECODE ? "decode" : "prefill", host, (int)getpid());
+}
+
+static void init_metrics(pd_node *n) {
+  pd_metrics *m = n->metrics;
+  n->m_registered = pd_metrics_gauge(m, "pd_node_registered",
+                                     "1 while the router has accepted this node", NULL);
+  n->m_running = pd_metrics_gauge(m, "pd_node_running_seqs", "Sequences in the running batch.",
+                                  NULL);
+  n->m_waiting = pd_metrics_gauge(m, "pd_node_waiting_seqs",
+                                  "Sequences admitted but not running (queued, preempted).", NULL);
+  n->m_kv_usage = pd_metrics_gauge(m, "pd_node_kv_cache_usage_ratio",
+                                   "Fraction of KV blocks in use (0..1).", NULL);
+  n->m_kv_free = pd_metrics_gauge(m, "pd_node_kv_blocks_free",
+                                  "KV blocks free or evictable.", NULL);
+  n->m_kv_total = pd_metrics_gauge(m, "pd_node_kv_blocks_total", "KV blocks in the cache.", NULL);
+  n->m_prefix_queries = pd_metrics_counter(m, "pd_node_prefix_cache_queries_total",
+                                           "Prompt tokens looked up in the prefix cache.", NULL);
+  n->m_prefix_hits = pd_metrics_counter(m, "pd_node_prefix_cache_hits_total",
+                                        "Prompt tokens served from the prefix cache.", NULL);
+  n->m_prefix_rate = pd_metrics_gauge(m, "pd_node_prefix_cache_hit_rate",
+                                      "Prefix-cache hits over queries since start (0..1).", NULL);
+  n->m_gen_tokens = pd_metrics_counter(m, "pd_node_generation_tokens_total",
+                                       "Tokens sampled by this node.", NULL);
+  n->m_prompt_tokens = pd_metrics_counter(m, "pd_node_prompt_tokens_total",
+                                          "Context tokens admitted for prefill.", NULL);
+  n->m_steps = pd_metrics_counter(m, "pd_node_steps_total", "Forward passes run.", NULL);
+  n->m_step_seconds = pd_metrics_histogram(m, "pd_node_step_seconds",
+                                           "Duration of one scheduler step.", NULL,
+                                           pd_metrics_itl_buckets, pd_metrics_itl_buckets_n);
+  n->m_preemptions = pd_metrics_counter(m, "pd_node_preemptions_total",
+                                        "Sequences preempted for lack of KV blocks.", NULL);
+}
+
+pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
+                       pd_sched_event_fn on_event, void *ev_user, const pd_node_hooks *hooks,
+                       pd_err *e) {
+  memset(n, 0, sizeof *n);
+  n->o = *o;
+  n->role = role;
+  n->hooks = *hooks;
+  atomic_init(&n->healthy, false);
+  if (o->node_id) snprintf(n->node_id, sizeof n->node_id, "%s", o->node_id);
+  else default_node_id(n);
+  if (o->served_name) snprintf(n->model_name, sizeof n->model_name, "%s", o->served_name);
+  else pd_basename(o->model_dir, n->model_name, sizeof n->model_name);
+  if (getrandom(&n->incarnation, sizeof n->incarnation, 0) != sizeof n->incarnation)
+    n->incarnation = (uint64_t)pd_now_ms() ^ ((uint64_t)getpid() << 32);
+  pd_status st = pd_model_fingerprint(o->model_dir, &n->fingerprint, e);
+  if (st) return st;
+  n->rt.sched = NULL;
+  pd_runtime_opts ro = o->rt;
+  ro.model_dir = o->model_dir;
+  if ((st = pd_runtime_open(&n->rt, &ro, on_event, ev_user, e)) != PD_OK) return st;
+
+  /* the KV cache as host pages (the CPU backend's memory is host memory) */
+  const pd_model_config *c = &n->rt.model->cfg;
+  n->layers = calloc((size_t)c->num_layers, sizeof *n->layers);
+  if (!n->layers) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  pd_kv_shape shape = {0};
+  for (int l = 0; l < c->num_layers; l++)
+    if ((st = pd_engine_kv(n->rt.eng, l, &n->layers[l], &shape, e)) != PD_OK) return st;
+  n->pages = (pd_kv_pages){.layers = n->layers, .num_layers = c->num_layers,
+                           .num_blocks = pd_kv_pool_num_blocks(n->rt.pool),
+                           .num_kv_heads = shape.num_kv_heads, .head_offset = 0,
+                           .block_size = shape.block_size, .head_dim = shape.head_dim,
+                           .dtype = shape.dtype};
+  pd_wire_limits_init(&n->lim);
+  n->lim.vocab_size = c->vocab_size;
+  n->lim.total_blocks = n->pages.num_blocks;
+  n->lim.block_size = n->pages.block_size;
+  n->lim.num_layers = n->pages.num_layers;
+  n->lim.num_kv_heads = n->pages.num_kv_heads;
+  n->lim.head_dim = n->pages.head_dim;
+  n->lim.kv_dtype = (int)n->pages.dtype;
+
+  n->metrics = pd_metrics_new(e);
+  if (!n->metrics) return e->code;
+  init_metrics(n);
+
+  if ((st = pd_curve_keys_from_flags(o->curve_secret_file, o->curve_secret_key, &n->keys,
+                                     &n->have_keys, e)) != PD_OK)
+    return st;
+  if (o->router_public_key && !n->have_keys) {
+    if ((st = pd_curve_keypair_generate(&n->keys, e)) != PD_OK) return st;
+    n->have_keys = true;
+  }
+  n->zctx = pd_net_ctx_new(1, e);
+  if (!n->zctx) return e->code;
+  if (o->curve_allow_file && n->have_keys && role == PD__ROLE__ROLE_DECODE) {
+    n->auth = pd_curve_auth_start(n->zctx, e);
+    if (!n->auth) return e->code;
+    if ((st = pd_curve_allow_file(n->auth, o->curve_allow_file, e)) != PD_OK) return st;
+  }
+  pd_net_sock_opts so;
+  pd_net_sock_opts_init(&so, ZMQ_DEALER);
+  so.routing_id = n->node_id;
+  so.send_timeout_ms = 0;
+  if (o->router_public_key) {
+    so.curve_keys = &n->keys;
+    so.curve_server_key = o->router_public_key;
+  }
+  n->router_sock = pd_net_socket(n->zctx, &so, e);
+  if (!n->router_sock) return e->code;
+  if ((st = pd_net_connect(n->router_sock, o->router_ep, e)) != PD_OK) return st;
+  pd_outbox_init(&n->router, n->router_sock, n->node_id);
+  pthread_mutex_init(&n->hb_mu, NULL);
+  pd__load__init(&n->hb_load);
+  atomic_init(&n->hb_registered, false);
+  atomic_init(&n->hb_reregister, false);
+  atomic_init(&n->hb_stop, false);
+  atomic_init(&n->hb_interval_ms, 500);
+  atomic_init(&n->hb_last_ack_ms, 0);
+  atomic_init(&n->hb_progress_ms, pd_now_ms());
+  if (pthread_create(&n->hb_thread, NULL, hb_main, n) != 0)
+    return pd_err_set(e, PD_EIO, "cannot start the heartbeat thread");
+  n->hb_started = true;
+
+  if (o->metrics_port >= 0) {
+    n->statsd = pd_statsd_start(o->bind, o->metrics_port, n->metrics, &n->healthy, e);
+    if (!n->statsd) return e->code;
+  }
+  return PD_OK;
+}
+
+void pd_node_close(pd_node *n) {
+  if (n->hb_started) {
+    atomic_store(&n->hb_stop, true);
+    pthread_join(n->hb_thread, NULL);
+    n->hb_started = false;
+    pthread_mutex_destroy(&n->hb_mu);
+  }
+  pd_statsd_stop(n->statsd);
+  n->statsd = NULL;
+  if (n->router_sock) pd_outbox_clear(&n->router);
+  pd_net_close(n->router_sock);
+  n->router_sock = NULL;
+  pd_curve_auth_stop(n->auth);
+  n->auth = NULL;
+  pd_net_ctx_free(n->zctx);
+  n->zctx = NULL;
+  pd_runtime_close(&n->rt);
+  free(n->layers);
+  n->layers = NULL;
+  pd_metrics_free(n->metrics);
+  n->metrics = NULL;
+}

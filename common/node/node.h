@@ -1,0 +1,212 @@
+/* libpdnode: what pd-prefill, pd-decode and pd-router share around the engine and the wire.
+ *
+ *   - logging: one line per event on stderr, "2024-05-01T12:00:00.123Z pd-decode INFO msg"
+ *   - the --ready-file (JSON written atomically once a process serves)
+ *   - a metrics/health HTTP server on a thread of its own (nodes: GET /metrics, GET /health)
+ *   - pd_outbox: an ordered, non-blocking send queue over one ZeroMQ DEALER socket, so a node's
+ *     single loop never blocks on a slow or absent peer (messages wait and go out in order)
+ *   - pd_node: a node's runtime, its DEALER to the router, registration, heartbeats and the
+ *     common flags; the role-specific loops live in prefill-node/ and decode-node/.
+ *
+ * Threading: everything here belongs to the node's main thread, except the metrics server
+ * (its own thread; it reads a pd_metrics registry, which is thread-safe, and an atomic flag). */
+#ifndef PD_NODE_H
+#define PD_NODE_H
+
+#include <cjson/cJSON.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pd/kvpack.h"
+#include "pd/metrics.h"
+#include "pd/net.h"
+#include "pd/runtime.h"
+#include "pd/wire.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- logging ---- */
+
+enum { PD_LOG_DEBUG = 0, PD_LOG_INFO, PD_LOG_WARN, PD_LOG_ERROR };
+void pd_log_init(const char *prog, bool verbose);
+void pd_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+bool pd_log_debug_on(void);
+
+/* ---- small helpers ---- */
+
+/* Writes obj as JSON to path atomically (path.tmp, then rename). */
+pd_status pd_ready_file_write(const char *path, const cJSON *obj, pd_err *e);
+/* CLOCK_MONOTONIC milliseconds. */
+int64_t pd_now_ms(void);
+/* Wall clock seconds since the epoch. */
+double pd_wall_s(void);
+/* Fingerprint of a model folder for the router's compatibility check: XXH64 of config.json
+ * mixed with XXH64 of tokenizer.json. PD_EIO when a file cannot be read. */
+pd_status pd_model_fingerprint(const char *dir, uint64_t *fp, pd_err *e);
+/* The last path component of dir without trailing slashes ("pycoder-12m"). */
+void pd_basename(const char *dir, char *out, size_t cap);
+/* Loads "one Z85 public key per line, # comments" (or zcert public files listed one per line
+ * are NOT accepted: keys only) and allows each on auth. */
+pd_status pd_curve_allow_file(pd_curve_auth *auth, const char *path, pd_err *e);
+/* Keypair from --curve-secret-file or --curve-secret-key (either may be NULL). *have is false
+ * when neither is given. */
+pd_status pd_curve_keys_from_flags(const char *file, const char *z85, pd_curve_keypair *kp,
+                                   bool *have, pd_err *e);
+
+/* ---- metrics/health HTTP server on its own thread ---- */
+
+typedef struct pd_statsd pd_statsd;
+/* Serves GET /metrics (m rendered) and GET /health (200 while *healthy, else 503) on host:port
+ * (port 0: a free one). NULL with e set on failure. */
+pd_statsd *pd_statsd_start(const char *host, int port, pd_metrics *m, atomic_bool *healthy,
+                           pd_err *e);
+int pd_statsd_port(const pd_statsd *s);
+void pd_statsd_stop(pd_statsd *s);
+
+/* ---- ordered non-blocking sends on one socket ---- */
+
+typedef struct pd_outbox_msg pd_outbox_msg;
+typedef struct pd_outbox {
+  void *sock;
+  pd_outbox_msg *head, *tail;
+  size_t n_msgs, n_bytes;
+  size_t max_msgs;      /* queue cap: beyond it the oldest messages are dropped (peer gone) */
+  uint64_t dropped;
+  const char *sender;   /* Envelope.sender */
+  uint64_t seq;
+} pd_outbox;
+
+void pd_outbox_init(pd_outbox *o, void *sock, const char *sender);
+/* Drops everything queued (the peer is gone for good). */
+void pd_outbox_clear(pd_outbox *o);
+/* Encodes env (sender and seq filled in here) and sends it after anything already queued,
+ * followed by payload frames (each malloc'ed buffer is taken over and freed here, even on
+ * failure). PD_ENOMEM or PD_EINVAL (encoding) are the only failures; a peer that does not take
+ * the message now only delays it. */
+pd_status pd_outbox_send(pd_outbox *o, Pd__Envelope *env, void **payload, const size_t *len,
+                         int n_payload, pd_err *e);
+/* Sends what the socket takes now, in order. Returns the number of messages still queued. */
+size_t pd_outbox_flush(pd_outbox *o);
+
+/* ---- a node ---- */
+
+#define PD_NODE_STALL_MS 60000 /* main loop silent this long: stop heartbeating */
+
+typedef struct pd_node_opts {
+  const char *model_dir, *served_name, *router_ep, *node_id, *bind, *advertise, *ready_file;
+  int kv_port, metrics_port, kv_chunk_mb;
+  const char *curve_secret_file, *curve_secret_key, *router_public_key, *curve_allow_file;
+  bool verbose, help;
+  pd_runtime_opts rt;
+} pd_node_opts;
+
+/* Parses argv for role (prefill or decode). Returns 0 to run, 1 on a usage error (printed),
+ * 2 after printing --help. */
+int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv);
+
+typedef struct pd_node pd_node;
+
+/* What a role adds to the shared loop. */
+typedef struct pd_node_hooks {
+  /* Fills the load fields for Register/Heartbeat. */
+  void (*fill_load)(pd_node *n, Pd__Load *load);
+  /* A validated message from the router (anything but RegisterAck/HeartbeatAck). */
+  void (*on_router_msg)(pd_node *n, const Pd__Envelope *env);
+  /* The router restarted (new incarnation) or asked us to register again after losing us:
+   * every request the node holds belongs to a router that no longer knows it. */
+  void (*on_router_reset)(pd_node *n);
+  void *ud;
+} pd_node_hooks;
+
+struct pd_node {
+  pd_node_opts o;
+  Pd__Role role;
+  char node_id[PD_WIRE_ID_MAX_BYTES + 1];
+  char model_name[256];
+  uint64_t fingerprint, incarnation;
+  pd_runtime rt;
+  pd_kv_pages pages;         /* the engine's KV cache as host pages */
+  pd_kv_layer *layers;       /* [num_layers] backing pages.layers */
+  pd_wire_limits lim;        /* receive limits with this node's geometry */
+  void *zctx;
+  pd_curve_auth *auth;
+  pd_curve_keypair keys;
+  bool have_keys;
+  void *router_sock;
+  pd_outbox router;
+  pd_node_hooks hooks;
+  /* registration (main thread) */
+  bool registered;
+  uint64_t router_incarnation;
+  uint32_t hb_timeout_ms;
+  int64_t next_register_ms, next_load_ms;
+  /* heartbeats: a thread of their own with its own DEALER (routing id "<node_id>/hb"), so a
+   * long forward pass never makes the router think the node died. The main loop publishes
+   * its load and a progress time; the thread stops heartbeating when the main loop has made
+   * no progress for PD_NODE_STALL_MS (a hung node must leave rotation). */
+  pthread_t hb_thread;
+  bool hb_started;
+  pthread_mutex_t hb_mu;
+  Pd__Load hb_load;               /* guarded by hb_mu */
+  atomic_bool hb_registered, hb_reregister, hb_stop;
+  atomic_uint hb_interval_ms;
+  atomic_llong hb_last_ack_ms, hb_progress_ms;
+  bool ready_written;
+  char kv_endpoint[256];     /* decode: advertised KV endpoint */
+  uint8_t kv_public_key[PD_CURVE_KEY_BYTES];
+  bool kv_curve;
+  /* metrics */
+  pd_metrics *metrics;
+  pd_statsd *statsd;
+  atomic_bool healthy;
+  pd_metric *m_registered, *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total,
+      *m_prefix_queries, *m_prefix_hits, *m_prefix_rate, *m_gen_tokens, *m_prompt_tokens,
+      *m_steps, *m_step_seconds, *m_preemptions;
+  pd_sched_stats last_stats;
+};
+
+/* Loads the runtime (on_event goes to the scheduler), creates the ZeroMQ context, the CURVE
+ * setup, the DEALER to the router and the metrics server. Fills kv_endpoint etc. later via
+ * pd_node_set_kv_endpoint (decode). */
+pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
+                       pd_sched_event_fn on_event, void *ev_user, const pd_node_hooks *hooks,
+                       pd_err *e);
+void pd_node_close(pd_node *n);
+
+/* Registration, the load snapshot for heartbeats, the outbox: call every loop iteration.
+ * Returns the milliseconds until it needs to run again. */
+int64_t pd_node_tick(pd_node *n);
+/* Receives and dispatches every message waiting on the router socket (non-blocking). */
+void pd_node_drain_router(pd_node *n);
+/* Sends an envelope to the router (ordered, never blocks). */
+void pd_node_send(pd_node *n, Pd__Envelope *env);
+/* Sends Error{code, request_id, retryable, message} to the router. */
+void pd_node_send_error(pd_node *n, Pd__ErrorCode code, const char *request_id, bool retryable,
+                        const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+/* Deregisters (best effort: flushes for up to timeout_ms). */
+void pd_node_deregister(pd_node *n, const char *reason, int timeout_ms);
+/* Updates the scheduler gauges and counters from the runtime. */
+void pd_node_update_metrics(pd_node *n);
+/* Fills a KvGeometry from the node's cache. */
+void pd_node_geometry(const pd_node *n, Pd__KvGeometry *g);
+/* Converts pd_logprobs into a TokenLogprob whose `top` array is top_buf (holding n_top
+ * entries of top_store). */
+void pd_node_logprob(const pd_logprobs *lp, Pd__TokenLogprob *out, Pd__TopLogprob **top_buf,
+                     Pd__TopLogprob *top_store);
+/* Cache-salt string -> 64-bit salt (0 for ""). */
+uint64_t pd_node_cache_salt(const char *s);
+
+/* Set by the signal handler (SIGINT/SIGTERM): the loops end when it is nonzero. */
+extern volatile sig_atomic_t pd_node_stop_flag;
+void pd_node_install_signals(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,685 @@
+/* pd-decode: holds sequences and decodes them in a continuous batch (docs/cluster.md).
+ *
+ * A request's life here:
+ *   Reserve (router)        -> pd_sched_reserve: blocks for prompt + generated tokens, held
+ *                              until the KV lands or the reservation's ttl passes
+ *   KvTransferHeader (KV)   -> checked against the reservation (same block ids, same geometry,
+ *                              CRC) and unpacked frame by frame into the engine's cache
+ *   KvTransferDone (KV)     -> every (layer, head) received: pd_sched_activate with the token
+ *                              the prefill node sampled; KvTransferAck to the prefill node
+ *   scheduler events        -> TokenStream to the router, one message per request per step
+ *                              (all the tokens that step produced)
+ *   Abort (router)          -> pd_sched_abort (reservation or running sequence)
+ * A reservation whose KV does not complete in time is freed and the router is told (Error
+ * TIMEOUT), so a stalled transfer never holds blocks for long.
+ *
+ * One thread polls the router socket and the KV socket and runs scheduler steps. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zlib.h>
+#include <zmq.h>
+
+#include "node.h"
+#include "pd/kvpack.h"
+
+enum { D_RESERVED = 0, D_ACTIVE };
+
+typedef struct dreq {
+  char id[PD_WIRE_ID_MAX_BYTES + 1];
+  uint64_t sid, reservation_id;
+  int state;
+  int n_prompt, n_gen_base, n_ctx;
+  int32_t *blocks;
+  int nb;
+  int64_t deadline_ms, t_first_kv;
+  uint8_t *coverage; /* [num_layers * num_kv_heads]: 1 where that layer's head has landed */
+  uint64_t bytes;
+  uint8_t prefill_rid[PD_NET_ROUTING_ID_MAX];
+  size_t prefill_rid_len;
+  pd_sampling_params p; /* for the stop check at activation; stop_token_ids owned */
+  int32_t *stop_ids;
+  /* tokens produced since the last TokenStream */
+  int32_t *pend;
+  pd_logprobs *pend_lp;
+  int n_pend, cap_pend;
+  bool want_lp, finished;
+  pd_finish_reason fin;
+  uint32_t n_generated;
+} dreq;
+
+typedef struct decode {
+  pd_node node;
+  void *kv_sock;
+  dreq **reqs;
+  int n_reqs, cap_reqs;
+  uint64_t next_sid, next_reservation;
+  int max_model_len;
+  pd_metric *m_requests, *m_kv_bytes, *m_kv_transfers, *m_kv_seconds, *m_res_refused,
+      *m_res_expired, *m_errors_kv, *m_errors_internal, *m_errors_invalid, *m_itl, *m_reserved;
+} decode;
+
+static decode g;
+
+/* ---- requests ---- */
+
+static dreq *find_by_id(const char *id) {
+  for (int i = 0; i < g.n_reqs; i++)
+    if (!strcmp(g.reqs[i]->id, id)) return g.reqs[i];
+  return NULL;
+}
+
+static dreq *find_by_sid(uint64_t sid) {
+  for (int i = 0; i < g.n_reqs; i++)
+    if (g.reqs[i]->sid == sid) return g.reqs[i];
+  return NULL;
+}
+
+static void remove_req(dreq *r) {
+  for (int i = 0; i < g.n_reqs; i++)
+    if (g.reqs[i] == r) {
+      g.reqs[i] = g.reqs[--g.n_reqs];
+      break;
+    }
+  free(r->blocks);
+  free(r->coverage);
+  free(r->stop_ids);
+  free(r->pend);
+  free(r->pend_lp);
+  free(r);
+}
+
+static void fill_load(pd_node *n, Pd__Load *l) {
+  pd_sched_stats s;
+  pd_sched_get_stats(n->rt.sched, &s);
+  uint32_t reserved = 0, landing = 0;
+  for (int i = 0; i < g.n_reqs; i++)
+    if (g.reqs[i]->state == D_RESERVED) {
+      reserved += (uint32_t)g.reqs[i]->nb;
+      landing++;
+    }
+  l->total_blocks = (uint32_t)pd_kv_pool_num_blocks(n->rt.pool);
+  l->free_blocks = (uint32_t)pd_kv_pool_num_available(n->rt.pool);
+  l->reserved_blocks = reserved < l->total_blocks ? reserved : l->total_blocks;
+  l->running_seqs = (uint32_t)s.running;
+  l->waiting_seqs = (uint32_t)s.waiting + landing;
+  pd_metric_set(g.m_reserved, reserved);
+}
+
+/* ---- replies ---- */
+
+static void send_reserve_refusal(const char *id, Pd__ErrorCode code, bool retryable,
+                                 const char *msg) {
+  Pd__Error err;
+  pd__error__init(&err);
+  err.code = code;
+  err.message = (char *)msg;
+  err.request_id = (char *)id;
+  err.retryable = retryable;
+  Pd__ReserveReply rr;
+  pd__reserve_reply__init(&rr);
+  rr.request_id = (char *)id;
+  rr.ok = false;
+  rr.error = &err;
+  Pd__Envelope env;
+  pd_wire_envelope_init(&env);
+  env.body_case = PD__ENVELOPE__BODY_RESERVE_REPLY;
+  env.reserve_reply = &rr;
+  pd_node_send(&g.node, &env);
+}
+
+static void send_kv_ack(const uint8_t *rid, size_t rid_len, const char *id, uint64_t res, bool ok,
+                        Pd__ErrorCode code, const char *msg) {
+  if (!rid_len) return;
+  Pd__KvTransferAck a;
+  pd__kv_transfer_ack__init(&a);
+  a.request_id = (char *)id;
+  a.reservation_id = res;
+  a.ok = ok;
+  Pd__Error err;
+  if (!ok) {
+    pd__error__init(&err);
+    err.code = code;
+    err.message = (char *)msg;
+    err.request_id = (char *)id;
+    a.error = &err;
+  }
+  Pd__Envelope env;
+  pd_wire_envelope_init(&env);
+  env.body_case = PD__ENVELOPE__BODY_KV_ACK;
+  env.kv_ack = &a;
+  env.sender = g.node.node_id;
+  pd_err e = {0};
+  pd_status st = pd_net_send(g.kv_sock, rid, rid_len, &env, NULL, 0, &e);
+  if (st != PD_OK && st != PD_ENOTFOUND) pd_log(PD_LOG_WARN, "KV ack for %s: %s", id, e.msg);
+}
+
+/* Ends r with an error: the prefill node (if it started sending) and the router are told, the
+ * scheduler lets go of its blocks. */
+static void fail_req(dreq *r, Pd__ErrorCode code, const char *msg) {
+  pd_log(PD_LOG_WARN, "%s: %s", r->id, msg);
+  if (r->state == D_RESERVED) send_kv_ack(r->prefill_rid, r->prefill_rid_len, r->id,
+                                          r->reservation_id, false, code, msg);
+  pd_node_send_error(&g.node, code, r->id, true, "%s", msg);
+  pd_sched_abort(g.node.rt.sched, r->sid);
+  remove_req(r);
+}
+
+/* Sends the tokens r produced since the last call (and its finish), if any. */
+static void flush_tokens(dreq *r) {
+  if (!r->n_pend && !r->finished) return;
+  Pd__TokenStream ts;
+  pd__token_stream__init(&ts);
+  ts.request_id = r->id;
+  ts.n_token_ids = (size_t)r->n_pend;
+  ts.token_ids = r->pend;
+  Pd__TokenLogprob *lp = NULL, **lpp = NULL;
+  Pd__TopLogprob *top = NULL, **topp = NULL;
+  if (r->want_lp && r->n_pend) {
+    lp = calloc((size_t)r->n_pend, sizeof *lp);
+    lpp = calloc((size_t)r->n_pend, sizeof *lpp);
+    top = calloc((size_t)r->n_pend * PD_SAMPLE_MAX_LOGPROBS, sizeof *top);
+    topp = calloc((size_t)r->n_pend * PD_SAMPLE_MAX_LOGPROBS, sizeof *topp);
+    if (lp && lpp && top && topp) {
+      for (int i = 0; i < r->n_pend; i++) {
+        pd_node_logprob(&r->pend_lp[i], &lp[i], topp + i * PD_SAMPLE_MAX_LOGPROBS,
+                        top + i * PD_SAMPLE_MAX_LOGPROBS);
+        lpp[i] = &lp[i];
+      }
+      ts.n_logprobs = (size_t)r->n_pend;
+      ts.logprobs = lpp;
+    }
+  }
+  ts.finish_reason = !r->finished                 ? PD__FINISH_REASON__FINISH_REASON_NONE
+                     : r->fin == PD_FINISH_STOP   ? PD__FINISH_REASON__FINISH_REASON_STOP
+                                                  : PD__FINISH_REASON__FINISH_REASON_LENGTH;
+  ts.n_generated = r->n_generated;
+  Pd__Envelope env;
+  pd_wire_envelope_init(&env);
+  env.body_case = PD__ENVELOPE__BODY_TOKEN_STREAM;
+  env.token_stream = &ts;
+  pd_node_send(&g.node, &env);
+  free(lp);
+  free(lpp);
+  free(top);
+  free(topp);
+  r->n_pend = 0;
+}
+
+/* ---- scheduler events ---- */
+
+static void on_event(void *user, const pd_sched_event *ev) {
+  (void)user;
+  dreq *r = find_by_sid(ev->id);
+  if (!r) {
+    pd_sched_abort(g.node.rt.sched, ev->id);
+    return;
+  }
+  if (ev->token >= 0) {
+    if (r->n_pend == r->cap_pend) {
+      int cap = r->cap_pend ? 2 * r->cap_pend : 8;
+      int32_t *t = realloc(r->pend, (size_t)cap * sizeof *t);
+      if (t) r->pend = t;
+      pd_logprobs *l = r->want_lp ? realloc(r->pend_lp, (size_t)cap * sizeof *l) : r->pend_lp;
+      if (l) r->pend_lp = l;
+      if (!t || (r->want_lp && !l)) {
+        fail_req(r, PD__ERROR_CODE__ERROR_CODE_INTERNAL, "out of memory");
+        return;
+      }
+      r->cap_pend = cap;
+    }
+    if (r->want_lp && ev->logprobs) r->pend_lp[r->n_pend] = *ev->logprobs;
+    else if (r->want_lp) memset(&r->pend_lp[r->n_pend], 0, sizeof r->pend_lp[0]);
+    r->pend[r->n_pend++] = ev->token;
+    r->n_generated++;
+  }
+  if (ev->finish != PD_FINISH_NONE) {
+    r->finished = true;
+    r->fin = ev->finish;
+  }
+}
+
+/* ---- router messages ---- */
+
+static void on_reserve(const Pd__Reserve *m) {
+  pd_node *n = &g.node;
+  pd_err e = {0};
+  if (m->with_draft) {
+    send_reserve_refusal(m->request_id, PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED, false,
+                         "this decode node has no draft model");
+    return;
+  }
+  if (find_by_id(m->request_id)) {
+    send_reserve_refusal(m->request_id, PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST, false,
+                         "request id is already in use on this node");
+    return;
+  }
+  size_t nbias = m->sampling ? m->sampling->n_logit_bias : 0;
+  pd_logit_bias *bias = calloc(nbias ? nbias : 1, sizeof *bias);
+  dreq *r = calloc(1, sizeof *r);
+  int n_ctx = (int)m->n_tokens;
+  int cap = (n_ctx + n->pages.block_size - 1) / n->pages.block_size;
+  if (r) {
+    r->blocks = malloc((size_t)cap * sizeof *r->blocks);
+    r->coverage = calloc((size_t)n->pages.num_layers * (size_t)n->pages.num_kv_heads, 1);
+  }
+  if (!bias || !r || !r->blocks || !r->coverage) {
+    free(bias);
+    if (r) {
+      free(r->blocks);
+      free(r->coverage);
+      free(r);
+    }
+    send_reserve_refusal(m->request_id, PD__ERROR_CODE__ERROR_CODE_INTERNAL, true,
+                         "out of memory");
+    return;
+  }
+  Pd__SamplingParams defaults = PD__SAMPLING_PARAMS__INIT;
+  pd_sampling_params p;
+  if (pd_wire_sampling_params(m->sampling ? m->sampling : &defaults, &p, bias, nbias ? nbias : 1,
+                              &e) != PD_OK) {
+    free(bias);
+    free(r->blocks);
+    free(r->coverage);
+    free(r);
+    pd_metric_add(g.m_errors_invalid, 1);
+    send_reserve_refusal(m->request_id, PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST, false, e.msg);
+    return;
+  }
+  p.n = 1;
+  snprintf(r->id, sizeof r->id, "%s", m->request_id);
+  r->sid = ++g.next_sid;
+  r->n_prompt = (int)m->n_prompt_token_ids;
+  r->n_gen_base = (int)m->n_generated_token_ids;
+  r->n_ctx = n_ctx;
+  r->want_lp = p.logprobs >= 0;
+  pd_sched_req sr = {.id = r->sid, .prompt = m->prompt_token_ids, .n_prompt = r->n_prompt,
+                     .generated = m->generated_token_ids, .n_generated = r->n_gen_base,
+                     .params = &p, .sample_index = m->sample_index,
+                     .cache_salt = pd_node_cache_salt(m->cache_salt)};
+  pd_status st = pd_sched_reserve(n->rt.sched, &sr, r->blocks, cap, &r->nb, &e);
+  if (st == PD_OK && r->nb != cap) {
+    pd_sched_abort(n->rt.sched, r->sid);
+    st = pd_err_set(&e, PD_EINVAL, "reserved %d blocks for %d tokens", r->nb, n_ctx);
+  }
+  /* the stop check at activation needs the parameters (stop ids owned, no logit bias) */
+  r->p = p;
+  r->p.logit_bias = NULL;
+  r->p.n_logit_bias = 0;
+  if (st == PD_OK && p.n_stop_token_ids) {
+    r->stop_ids = malloc(p.n_stop_token_ids * sizeof *r->stop_ids);
+    if (!r->stop_ids) {
+      pd_sched_abort(n->rt.sched, r->sid);
+      st = pd_err_set(&e, PD_ENOMEM, "out of memory");
+    } else {
+      memcpy(r->stop_ids, p.stop_token_ids, p.n_stop_token_ids * sizeof *r->stop_ids);
+    }
+  }
+  r->p.stop_token_ids = r->stop_ids;
+  if (r->p.max_tokens < 0) r->p.max_tokens = g.max_model_len - r->n_prompt;
+  free(bias);
+  if (st == PD_OK && g.n_reqs == g.cap_reqs) {
+    int c2 = g.cap_reqs ? 2 * g.cap_reqs : 64;
+    dreq **v = realloc(g.reqs, (size_t)c2 * sizeof *v);
+    if (!v) {
+      pd_sched_abort(n->rt.sched, r->sid);
+      st = pd_err_set(&e, PD_ENOMEM, "out of memory");
+    } else {
+      g.reqs = v;
+      g.cap_reqs = c2;
+    }
+  }
+  if (st != PD_OK) {
+    if (st == PD_EFULL) {
+      pd_metric_add(g.m_res_refused, 1);
+      send_reserve_refusal(m->request_id, PD__ERROR_CODE__ERROR_CODE_OVERLOADED, true,
+                           "not enough free KV blocks on this decode node");
+    } else {
+      pd_metric_add(g.m_errors_invalid, 1);
+      send_reserve_refusal(m->request_id,
+                           st == PD_ERANGE ? PD__ERROR_CODE__ERROR_CODE_CONTEXT_TOO_LONG
+                           : st == PD_ENOMEM ? PD__ERROR_CODE__ERROR_CODE_INTERNAL
+                                             : PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST,
+                           st == PD_ENOMEM, e.msg);
+    }
+    free(r->blocks);
+    free(r->coverage);
+    free(r->stop_ids);
+    free(r);
+    return;
+  }
+  r->reservation_id = ++g.next_reservation;
+  r->state = D_RESERVED;
+  r->deadline_ms = pd_now_ms() + (m->ttl_ms ? m->ttl_ms : 30000);
+  g.reqs[g.n_reqs++] = r;
+  pd_metric_add(g.m_requests, 1);
+
+  Pd__ReserveReply rr;
+  pd__reserve_reply__init(&rr);
+  rr.request_id = r->id;
+  rr.ok = true;
+  rr.reservation_id = r->reservation_id;
+  rr.n_block_ids = (size_t)r->nb;
+  rr.block_ids = r->blocks;
+  Pd__Envelope env;
+  pd_wire_envelope_init(&env);
+  env.body_case = PD__ENVELOPE__BODY_RESERVE_REPLY;
+  env.reserve_reply = &rr;
+  pd_node_send(n, &env);
+  pd_log(PD_LOG_DEBUG, "%s: reserved %d blocks for %d tokens (reservation %llu)", r->id, r->nb,
+         n_ctx, (unsigned long long)r->reservation_id);
+}
+
+static void on_router_msg(pd_node *n, const Pd__Envelope *env) {
+  switch (env->body_case) {
+    case PD__ENVELOPE__BODY_RESERVE:
+      on_reserve(env->reserve);
+      break;
+    case PD__ENVELOPE__BODY_ABORT: {
+      dreq *r = find_by_id(env->abort->request_id);
+      if (r) {
+        if (r->state == D_RESERVED)
+          send_kv_ack(r->prefill_rid, r->prefill_rid_len, r->id, r->reservation_id, false,
+                      PD__ERROR_CODE__ERROR_CODE_ABORTED, "aborted");
+        pd_sched_abort(n->rt.sched, r->sid);
+        pd_log(PD_LOG_DEBUG, "%s: aborted", r->id);
+        remove_req(r);
+      }
+      break;
+    }
+    case PD__ENVELOPE__BODY_ERROR:
+      pd_log(PD_LOG_WARN, "router: error %d: %s", (int)env->error->code,
+             env->error->message ? env->error->message : "");
+      break;
+    default:
+      pd_log(PD_LOG_WARN, "unexpected %s from the router", pd_wire_body_name(env->body_case));
+      break;
+  }
+}
+
+static void on_router_reset(pd_node *n) {
+  while (g.n_reqs > 0) {
+    dreq *r = g.reqs[g.n_reqs - 1];
+    pd_sched_abort(n->rt.sched, r->sid);
+    remove_req(r);
+  }
+}
+
+/* ---- the KV port ---- */
+
+static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
+  pd_node *n = &g.node;
+  dreq *r = find_by_id(h->request_id);
+  if (!r || r->reservation_id != h->reservation_id || r->state != D_RESERVED) {
+    send_kv_ack(m->routing_id, m->routing_id_len, h->request_id, h->reservation_id, false,
+                PD__ERROR_CODE__ERROR_CODE_NOT_FOUND, "no such reservation");
+    return;
+  }
+  memcpy(r->prefill_rid, m->routing_id, m->routing_id_len);
+  r->prefill_rid_len = m->routing_id_len;
+  if (!r->t_first_kv) r->t_first_kv = pd_now_ms();
+  if (h->draft) {
+    fail_req(r, PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED, "draft KV sent to a node without a draft");
+    return;
+  }
+  if (h->n_block_ids != (size_t)r->nb ||
+      memcmp(h->block_ids, r->blocks, (size_t)r->nb * sizeof *r->blocks) != 0) {
+    pd_metric_add(g.m_errors_kv, 1);
+    fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL,
+             "KV header block ids differ from the reservation");
+    return;
+  }
+  if (h->checksum_opt_case == PD__KV_TRANSFER_HEADER__CHECKSUM_OPT_CRC32) {
+    uLong crc = crc32(0L, Z_NULL, 0);
+    for (int i = 0; i < m->n_payload; i++)
+      crc = crc32(crc, m->payload[i], (uInt)m->payload_len[i]);
+    if ((uint32_t)crc != h->crc32) {
+      pd_metric_add(g.m_errors_kv, 1);
+      fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL, "KV payload CRC-32 mismatch");
+      return;
+    }
+  }
+  pd_kv_slice s = {(int)h->layer_begin, (int)h->layer_end, (int)h->head_begin, (int)h->head_end};
+  size_t off = 0;
+  pd_err e = {0};
+  for (int i = 0; i < m->n_payload; i++) {
+    if (pd_kvpack_unpack_range(&n->pages, &s, r->blocks, r->nb, off, m->payload[i],
+                               m->payload_len[i], &e) != PD_OK) {
+      pd_metric_add(g.m_errors_kv, 1);
+      fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL, e.msg);
+      return;
+    }
+    off += m->payload_len[i];
+  }
+  int H = n->pages.num_kv_heads, h0 = n->pages.head_offset;
+  for (int l = s.layer_begin; l < s.layer_end; l++)
+    for (int hh = s.head_begin; hh < s.head_end; hh++)
+      if (hh >= h0 && hh < h0 + H) r->coverage[(size_t)l * (size_t)H + (size_t)(hh - h0)] = 1;
+  r->bytes += off;
+  pd_metric_add(g.m_kv_bytes, (double)off);
+}
+
+static void on_kv_done(const pd_net_msg *m, const Pd__KvTransferDone *d) {
+  pd_node *n = &g.node;
+  dreq *r = find_by_id(d->request_id);
+  if (!r || r->reservation_id != d->reservation_id || r->state != D_RESERVED) {
+    send_kv_ack(m->routing_id, m->routing_id_len, d->request_id, d->reservation_id, false,
+                PD__ERROR_CODE__ERROR_CODE_NOT_FOUND, "no such reservation");
+    return;
+  }
+  memcpy(r->prefill_rid, m->routing_id, m->routing_id_len);
+  r->prefill_rid_len = m->routing_id_len;
+  size_t cells = (size_t)n->pages.num_layers * (size_t)n->pages.num_kv_heads;
+  for (size_t i = 0; i < cells; i++)
+    if (!r->coverage[i]) {
+      pd_metric_add(g.m_errors_kv, 1);
+      fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL,
+               "KV transfer done before every layer and head arrived");
+      return;
+    }
+  if (d->n_tokens != (uint32_t)r->n_ctx) {
+    pd_metric_add(g.m_errors_kv, 1);
+    fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL, "KV transfer covers another token count");
+    return;
+  }
+  pd_err e = {0};
+  if (pd_sched_activate(n->rt.sched, r->sid, d->first_token_id, &e) != PD_OK) {
+    pd_metric_add(g.m_errors_internal, 1);
+    fail_req(r, PD__ERROR_CODE__ERROR_CODE_INTERNAL, e.msg);
+    return;
+  }
+  send_kv_ack(r->prefill_rid, r->prefill_rid_len, r->id, r->reservation_id, true, 0, NULL);
+  pd_metric_add(g.m_kv_transfers, 1);
+  pd_metric_observe(g.m_kv_seconds, (double)(pd_now_ms() - r->t_first_kv) / 1000.0);
+  r->state = D_ACTIVE;
+  r->n_generated = (uint32_t)r->n_gen_base + 1; /* the prefill node's token counts */
+  /* pd_sched_activate drops a sequence that has nothing left to decode without an event
+   * (the first token was a stop, or it reached max_tokens or the context): report it here */
+  pd_finish_reason fin = pd_sampling_check_stop(&r->p, n->rt.eos, (size_t)n->rt.n_eos,
+                                                d->first_token_id, (int32_t)r->n_generated);
+  if (fin == PD_FINISH_NONE && r->n_ctx + 1 >= g.max_model_len) fin = PD_FINISH_LENGTH;
+  if (fin != PD_FINISH_NONE) {
+    r->finished = true;
+    r->fin = fin;
+    flush_tokens(r);
+    remove_req(r);
+    return;
+  }
+  pd_log(PD_LOG_DEBUG, "%s: KV landed (%llu bytes), decoding", r->id,
+         (unsigned long long)r->bytes);
+}
+
+static void kv_drain(void) {
+  pd_net_msg m;
+  pd_net_msg_init(&m);
+  for (int k = 0; k < 10000; k++) {
+    bool got = false;
+    pd_err e = {0};
+    pd_status st = pd_net_recv(g.kv_sock, 0, &g.node.lim, &m, &got, &e);
+    if (!got) {
+      if (st != PD_OK) pd_log(PD_LOG_ERROR, "KV socket: %s", e.msg);
+      break;
+    }
+    if (st != PD_OK) {
+      pd_metric_add(g.m_errors_kv, 1);
+      pd_log(PD_LOG_WARN, "malformed KV message: %s", e.msg);
+      pd_net_send_error(g.kv_sock, m.routing_id, m.routing_id_len, pd_wire_error_code(st), NULL,
+                        false, e.msg, NULL);
+      continue;
+    }
+    const Pd__Envelope *env = m.wire.env;
+    if (env->body_case == PD__ENVELOPE__BODY_KV_HEADER) on_kv_header(&m, env->kv_header);
+    else if (env->body_case == PD__ENVELOPE__BODY_KV_DONE) on_kv_done(&m, env->kv_done);
+    else pd_log(PD_LOG_WARN, "unexpected %s on the KV port", pd_wire_body_name(env->body_case));
+  }
+  pd_net_msg_clear(&m);
+}
+
+/* Reservations past their ttl: the transfer stalled (or the prefill node died). */
+static void sweep_reservations(void) {
+  int64_t now = pd_now_ms();
+  for (int i = 0; i < g.n_reqs;) {
+    dreq *r = g.reqs[i];
+    if (r->state == D_RESERVED && now >= r->deadline_ms) {
+      pd_metric_add(g.m_res_expired, 1);
+      fail_req(r, PD__ERROR_CODE__ERROR_CODE_TIMEOUT,
+               "the KV transfer did not complete before the reservation expired");
+      continue; /* fail_req moved another entry to i */
+    }
+    i++;
+  }
+}
+
+static void flush_all(void) {
+  for (int i = 0; i < g.n_reqs;) {
+    dreq *r = g.reqs[i];
+    if (r->state == D_ACTIVE) {
+      flush_tokens(r);
+      if (r->finished) {
+        remove_req(r);
+        continue;
+      }
+    }
+    i++;
+  }
+}
+
+static void fail_active(const char *why) {
+  pd_metric_add(g.m_errors_internal, 1);
+  for (int i = 0; i < g.n_reqs;) {
+    dreq *r = g.reqs[i];
+    if (r->state == D_ACTIVE) {
+      char msg[600];
+      snprintf(msg, sizeof msg, "decode step failed: %s", why);
+      fail_req(r, PD__ERROR_CODE__ERROR_CODE_INTERNAL, msg);
+      continue;
+    }
+    i++;
+  }
+}
+
+int main(int argc, char **argv) {
+  pd_node_opts o;
+  int rc = pd_node_opts_parse(&o, PD__ROLE__ROLE_DECODE, argc, argv);
+  if (rc) return rc == 2 ? 0 : 1;
+  pd_log_init("pd-decode", o.verbose);
+  pd_node_install_signals();
+  pd_node_hooks hooks = {.fill_load = fill_load, .on_router_msg = on_router_msg,
+                         .on_router_reset = on_router_reset};
+  pd_err e = {0};
+  pd_node *n = &g.node;
+  if (pd_node_open(n, &o, PD__ROLE__ROLE_DECODE, on_event, NULL, &hooks, &e) != PD_OK) {
+    pd_log(PD_LOG_ERROR, "%s", e.msg);
+    pd_node_close(n);
+    return 1;
+  }
+  g.max_model_len = pd_engine_get_opts(n->rt.eng)->max_model_len;
+  pd_metrics *m = n->metrics;
+  g.m_requests = pd_metrics_counter(m, "pd_node_requests_total", "Reservations granted.", NULL);
+  g.m_kv_bytes = pd_metrics_counter(m, "pd_node_kv_transfer_bytes_total",
+                                    "KV page bytes received from prefill nodes.",
+                                    "direction=\"received\"");
+  g.m_kv_transfers = pd_metrics_counter(m, "pd_node_kv_transfers_total",
+                                        "KV transfers completed.", "direction=\"received\"");
+  g.m_kv_seconds = pd_metrics_histogram(m, "pd_node_kv_transfer_seconds",
+                                        "From a request's first KV chunk to its KvTransferDone.",
+                                        NULL, pd_metrics_latency_buckets,
+                                        pd_metrics_latency_buckets_n);
+  g.m_reserved = pd_metrics_gauge(m, "pd_node_kv_blocks_reserved",
+                                  "KV blocks held by reservations whose pages have not landed.",
+                                  NULL);
+  g.m_res_refused = pd_metrics_counter(m, "pd_node_reservations_refused_total",
+                                       "Reservations refused for lack of KV blocks.", NULL);
+  g.m_res_expired = pd_metrics_counter(m, "pd_node_reservations_expired_total",
+                                       "Reservations freed because their KV did not arrive.",
+                                       NULL);
+  g.m_errors_kv = pd_metrics_counter(m, "pd_node_errors_total", "Errors by kind.",
+                                     "kind=\"kv_transfer\"");
+  g.m_errors_internal = pd_metrics_counter(m, "pd_node_errors_total", "Errors by kind.",
+                                           "kind=\"internal\"");
+  g.m_errors_invalid = pd_metrics_counter(m, "pd_node_errors_total", "Errors by kind.",
+                                          "kind=\"invalid_request\"");
+
+  /* the KV port: CURVE server when this node has a keypair */
+  pd_net_sock_opts so;
+  pd_net_sock_opts_init(&so, ZMQ_ROUTER);
+  so.rcvhwm = 100000;
+  if (n->have_keys) {
+    so.curve_keys = &n->keys;
+    so.curve_server = true;
+    n->kv_curve = pd_curve_key_parse(n->keys.public_z85, n->kv_public_key, NULL, &e) == PD_OK;
+  }
+  g.kv_sock = pd_net_socket(n->zctx, &so, &e);
+  char ep[256], bound[256];
+  snprintf(ep, sizeof ep, "tcp://%s:%d", o.bind, o.kv_port);
+  if (!g.kv_sock || pd_net_bind(g.kv_sock, ep, bound, sizeof bound, &e) != PD_OK) {
+    pd_log(PD_LOG_ERROR, "KV port %s: %s", ep, e.msg);
+    pd_net_close(g.kv_sock);
+    pd_node_close(n);
+    return 1;
+  }
+  const char *colon = strrchr(bound, ':');
+  const char *adv = o.advertise ? o.advertise
+                    : (!strcmp(o.bind, "0.0.0.0") || !strcmp(o.bind, "*") || !strcmp(o.bind, "::"))
+                        ? "127.0.0.1"
+                        : o.bind;
+  snprintf(n->kv_endpoint, sizeof n->kv_endpoint, "tcp://%s:%s", adv, colon ? colon + 1 : "0");
+  pd_log(PD_LOG_INFO,
+         "decode node %s: model %s (%d blocks of %d tokens), KV port %s, router %s, metrics %d",
+         n->node_id, n->model_name, n->pages.num_blocks, n->pages.block_size, n->kv_endpoint,
+         o.router_ep, pd_statsd_port(n->statsd));
+
+  int64_t next_metrics = 0;
+  while (!pd_node_stop_flag) {
+    int64_t wait = pd_node_tick(n);
+    if (pd_sched_has_work(n->rt.sched)) wait = 0;
+    if (wait > 50) wait = 50;
+    zmq_pollitem_t items[2] = {{n->router_sock, 0, ZMQ_POLLIN, 0}, {g.kv_sock, 0, ZMQ_POLLIN, 0}};
+    zmq_poll(items, 2, (long)wait);
+    pd_node_drain_router(n);
+    kv_drain();
+    sweep_reservations();
+    if (pd_sched_has_work(n->rt.sched)) {
+      int64_t t0 = pd_now_ms();
+      if (pd_sched_step(n->rt.sched, &e) != PD_OK) {
+        pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
+        fail_active(e.msg);
+      }
+      pd_metric_observe(n->m_step_seconds, (double)(pd_now_ms() - t0) / 1000.0);
+      pd_node_update_metrics(n); /* O(1): scrapes see every step */
+      flush_all();
+      pd_outbox_flush(&n->router);
+    }
+    if (pd_now_ms() >= next_metrics) {
+      pd_node_update_metrics(n);
+      next_metrics = pd_now_ms() + 250;
+    }
+  }
+  pd_log(PD_LOG_INFO, "shutting down");
+  pd_node_deregister(n, "shutdown", 500);
+  on_router_reset(n);
+  free(g.reqs);
+  pd_net_close(g.kv_sock);
+  pd_node_close(n);
+  return 0;
+}

@@ -1,0 +1,346 @@
+/* pd-router internals: the state shared by its parts.
+ *
+ *   main.c         flags, sockets, the event loop, ZeroMQ socket watching
+ *   registry.c     nodes: Register / Heartbeat / Deregister, liveness, load, node choice
+ *   route.c        one choice's path through the cluster: queue, Reserve, Prefill, FirstToken,
+ *                  TokenStream, failures (retry, migration), deadlines
+ *   route_map.c    string -> pointer hash map (wire request ids)
+ *   api.c          HTTP: OpenAI completions and chat, /generate, /v1/models, /health, /metrics
+ *   api_text.c     output text: incremental detokenization, stop strings, logprobs JSON
+ *   api_zmq.c      the ZeroMQ client API (GenerateRequest in, GenerateChunk out)
+ *   metrics_router.c  the router's Prometheus series
+ *
+ * Everything runs on the one event-loop thread: no locks. Objects are freed only at "safe
+ * points" (router_gc at the end of each top-level callback), so a callback that finishes a
+ * request can never pull it out from under the code that called it. */
+#ifndef PD_ROUTER_H
+#define PD_ROUTER_H
+
+#include <cjson/cJSON.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "evloop.h"
+#include "http.h"
+#include "node.h"
+#include "pd/liveness.h"
+#include "pd/metrics.h"
+#include "pd/net.h"
+#include "pd/oai.h"
+#include "pd/tokenizer.h"
+#include "pd/wire.h"
+
+typedef struct router router;
+typedef struct rnode rnode;
+typedef struct rreq rreq;
+typedef struct rsub rsub;
+
+/* ---- options ---- */
+
+typedef struct router_opts {
+  const char *model_dir, *served_name, *host, *bind, *api_key, *ready_file;
+  const char *curve_secret_file, *curve_secret_key, *curve_allow_file;
+  int port, cluster_port, client_port;
+  int max_queue, max_n, default_max_tokens, max_body_mb, max_connections, max_model_len;
+  int request_timeout_s, kv_ttl_ms, heartbeat_interval_ms, heartbeat_timeout_ms;
+  bool verbose, help;
+} router_opts;
+
+/* ---- string map (route_map.c) ---- */
+
+typedef struct smap_entry {
+  char *key; /* NULL: empty; (char *)1: deleted */
+  void *val;
+} smap_entry;
+
+typedef struct smap {
+  smap_entry *v;
+  size_t cap, n, used; /* used counts deleted slots too */
+} smap;
+
+void smap_init(smap *m);
+void smap_free(smap *m);
+bool smap_put(smap *m, const char *key, void *val); /* false on allocation failure */
+void *smap_get(const smap *m, const char *key);
+void smap_del(smap *m, const char *key);
+
+/* ---- nodes (registry.c) ---- */
+
+#define AFFINITY_SLOTS 4096 /* block hashes remembered per prefill node */
+
+struct rnode {
+  char id[PD_WIRE_ID_MAX_BYTES + 1];
+  Pd__Role role;
+  uint64_t incarnation, fingerprint;
+  char kv_endpoint[256];
+  uint8_t kv_key[PD_CURVE_KEY_BYTES];
+  bool kv_curve;
+  /* geometry of its KV cache */
+  uint32_t num_layers, num_kv_heads, head_dim, block_size, total_blocks, kv_head_begin,
+      kv_head_end;
+  Pd__KvDtype dtype;
+  uint32_t vocab_size, max_model_len, max_batch_tokens;
+  pd_wire_limits lim; /* the router's limits with this node's resources */
+  /* load: the last heartbeat, and what the router sent since */
+  uint64_t queued_tokens;
+  uint32_t free_blocks, running, waiting, reserved_blocks;
+  int64_t est_free_blocks;   /* free_blocks minus what was reserved since the heartbeat */
+  int64_t est_queued_tokens; /* queued_tokens plus what was sent since the heartbeat */
+  int n_subs;                /* choices currently using this node */
+  bool dead;                 /* removed: kept only until no choice refers to it */
+  /* prefill: hashes of prompt blocks recently sent here (prefix-cache affinity) */
+  uint64_t *affinity;        /* [AFFINITY_SLOTS], 0 = empty; direct-mapped by hash */
+  int64_t registered_ms, last_seen_ms;
+};
+
+void registry_init(router *r);
+void registry_free(router *r);
+void registry_on_message(router *r, const pd_net_msg *m); /* Register/Heartbeat/Deregister */
+rnode *registry_find(router *r, const char *id);
+/* Liveness sweep: nodes silent for heartbeat_timeout_ms die (their choices get an outcome). */
+void registry_sweep(router *r);
+int registry_count(router *r, Pd__Role role, bool usable_only);
+/* Node choice. decode: most free blocks (estimated), then fewest running; needs at least
+ * need_blocks free. prefill: fewest queued tokens after crediting prefix-cache affinity;
+ * geometry compatible with dest (NULL: any). NULL when none is usable. exclude may be NULL. */
+rnode *registry_choose_decode(router *r, int need_blocks, const rnode *exclude);
+rnode *registry_choose_prefill(router *r, const rnode *dest, const int32_t *ids, int n,
+                               uint64_t cache_salt);
+/* Records that a prompt was sent to prefill node p (affinity, queued tokens). */
+void registry_note_prefill(router *r, rnode *p, const int32_t *ids, int n, uint64_t cache_salt);
+/* Effective context length: the router's, capped by every registered node's. */
+int registry_max_model_len(router *r);
+/* Sends env to node n on the cluster port. PD_ENOTFOUND (not connected), PD_EFULL. */
+pd_status router_send_node(router *r, rnode *n, Pd__Envelope *env);
+cJSON *registry_json(router *r);
+
+/* ---- one choice's path (route.c) ---- */
+
+typedef enum sub_state {
+  SUB_QUEUED = 0,  /* waiting for node capacity */
+  SUB_RESERVING,   /* Reserve sent to decode */
+  SUB_PREFILLING,  /* Prefill sent; first token pending */
+  SUB_DECODING,    /* tokens stream from decode */
+  SUB_DONE
+} sub_state;
+
+typedef struct stash_msg { /* a TokenStream that overtook its FirstToken */
+  int32_t *ids;
+  pd_logprobs *lps; /* NULL or [n] */
+  int n;
+  uint32_t n_generated;
+  Pd__FinishReason finish;
+} stash_msg;
+
+struct rsub {
+  rreq *req;
+  int index;          /* choice index in the response */
+  int prompt_i;       /* which prompt of the request */
+  uint32_t sample_index;
+  sub_state state;
+  int attempt;
+  char wire_id[PD_WIRE_ID_MAX_BYTES + 1];
+  rnode *prefill, *decode;
+  uint64_t reservation_id;
+  int32_t *blocks;
+  int nb;
+  /* output tokens received so far (all attempts) */
+  int32_t *gen;
+  int n_gen, cap_gen;
+  bool got_first;     /* the current attempt's first token arrived */
+  int n_from_decode;  /* TokenStream tokens of this attempt */
+  stash_msg stash[4];
+  int n_stash;
+  int64_t t_enqueued, t_first, t_last;
+  uint32_t cached_tokens;
+  bool in_queue;
+  rsub *qprev, *qnext;
+  /* outcome */
+  bool finished;
+  const char *finish_reason; /* "stop", "length", "abort", "error" */
+  int32_t stop_token;        /* -1 unless a stop token ended it */
+  char *stop_string;         /* the stop string that ended it */
+  Pd__ErrorCode err_code;
+  char err_msg[512];
+  /* output text (api_text.c) */
+  pd_detok *detok;
+  char *hold;  /* decoded text not yet emitted (it may begin a stop string) */
+  size_t n_hold, cap_hold;
+  char *text;  /* everything emitted */
+  size_t n_text, cap_text;
+  int n_out_tokens;     /* tokens counted as output (up to a stop string) */
+  bool role_sent, echo_sent; /* stream: chat role delta / completion echo went out */
+  pd_logprobs *lp_store;     /* ZeroMQ non-stream: logprobs of the output tokens */
+  int n_lp_store, cap_lp_store;
+  cJSON *lp_acc;        /* non-stream logprobs under construction */
+  cJSON *prompt_lp;     /* prompt logprobs (vLLM format), first chunk */
+};
+
+void route_init(router *r);
+void route_free(router *r);
+/* Queues every choice of a new request. */
+void route_submit(router *r, rreq *q);
+/* Dispatches queued choices to nodes while capacity allows. */
+void route_dispatch(router *r);
+/* Request-path messages from node n (ReserveReply, FirstToken, TokenStream, Error). */
+void route_on_message(router *r, rnode *n, const pd_net_msg *m);
+/* Node n is gone: each choice on it is retried, migrated or failed. */
+void route_node_failed(router *r, rnode *n, const char *why);
+/* Ends a choice now (stop string, cancel, deadline): aborts it on its nodes. No output. */
+void route_sub_stop(router *r, rsub *s);
+/* Ends a choice with an error (aborts it on its nodes and reports it). */
+void route_sub_fail(router *r, rsub *s, Pd__ErrorCode code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Deadlines, queue timeouts. */
+void route_tick(router *r);
+int route_queue_length(router *r);
+int route_active_subs(router *r);
+
+/* ---- requests and output (api*.c) ---- */
+
+typedef enum api_kind { API_COMPLETIONS = 0, API_CHAT, API_GENERATE, API_ZMQ } api_kind;
+
+typedef struct prompt {
+  int32_t *ids;
+  int n;
+  char *text; /* the prompt as text (echo, /generate); may be NULL */
+  size_t text_len;
+} prompt;
+
+struct rreq {
+  router *r;
+  uint64_t num;
+  char id[64];       /* response id: "cmpl-...", "chatcmpl-..." */
+  api_kind kind;
+  bool stream, include_usage, echo, skip_special, include_stop_str, continuous_usage;
+  int lp_top;        /* -1: no logprobs; else alternatives per token */
+  bool want_prompt_lp;
+  pd_oai_params op;  /* sampling parameters (seed always set) */
+  Pd__SamplingParams *wire_sp; /* the same for the nodes */
+  char **stop;
+  int n_stop;
+  uint64_t cache_salt;
+  char cache_salt_str[257];
+  prompt *prompts;
+  int n_prompts, n_per_prompt;
+  rsub *subs;
+  int n_subs, n_done;
+  int64_t t_start, deadline;
+  double created;
+  /* where the answer goes */
+  pd_http_req *http;
+  bool started;      /* a streamed response has begun */
+  bool error_sent;   /* a stream error event went out */
+  uint8_t zrid[PD_NET_ROUTING_ID_MAX];
+  size_t zrid_len;
+  char client_id[PD_WIRE_ID_MAX_BYTES + 1];
+  /* lifecycle */
+  bool cancelled, finished, retired;
+  rreq *next_all, *prev_all;
+  rreq *next_gc;
+};
+
+/* From route.c to the output side, for a choice s of request q. */
+void out_tokens(router *r, rsub *s, const int32_t *ids, const pd_logprobs *lps, int n,
+                Pd__FinishReason node_finish);
+void out_sub_done(router *r, rsub *s); /* s->finished is set; error or not */
+
+/* api_text.c: feeds tokens into s's text state; returns bytes appended to s->text (from
+ * *delta_off). *stopped when a stop string matched (text cut there); *used = tokens consumed
+ * (the rest come after the stop string). final: the node said the choice is over. */
+void text_feed(router *r, rsub *s, const int32_t *ids, int n, bool final, size_t *delta_off,
+               size_t *delta_len, bool *stopped, int *used);
+void text_free(rsub *s);
+/* Prompt logprobs from a FirstToken in vLLM's shape: [null, {"<id>": {logprob, rank,
+ * decoded_token}}, ...]. */
+cJSON *prompt_lp_json(router *r, rsub *s, Pd__TokenLogprob *const *lps, int n);
+/* Token strings for logprobs output. */
+char *token_str(router *r, int32_t id); /* malloc'ed */
+/* Logprobs of n tokens in the OpenAI shape of q->kind (completions: {tokens, token_logprobs,
+ * top_logprobs, text_offset}; chat: {content: [...]}) appended to acc (created when NULL). */
+cJSON *lp_append(router *r, rreq *q, cJSON *acc, const pd_logprobs *lps, int n, size_t offset0);
+
+/* api.c */
+void api_http_handler(pd_http_req *req, const pd_http_request *msg, void *ud);
+void api_req_free(router *r, rreq *q);
+/* Ends every choice of q now (client gone or cancelled): aborts them on the nodes, no more
+ * output. Safe to call at a safe point only. */
+void api_cancel(router *r, rreq *q);
+rreq *api_req_new(router *r, api_kind kind);
+/* Maps an ErrorCode to an HTTP status. */
+int api_http_status(Pd__ErrorCode c);
+const char *api_error_code_str(Pd__ErrorCode c);
+/* Builds prompts/params shared by HTTP and ZMQ: checks context, fills seed, wire params,
+ * subs. Returns 0 or an HTTP status with msg set. */
+int api_req_prepare(router *r, rreq *q, char *msg, size_t cap, const char **code);
+/* Output side for HTTP requests (api.c) and ZMQ requests (api_zmq.c). */
+void api_http_tokens(router *r, rsub *s, size_t off, size_t len, const pd_logprobs *lps, int n);
+void api_http_sub_done(router *r, rsub *s);
+void api_http_req_done(router *r, rreq *q);
+
+/* api_zmq.c */
+void zapi_on_message(router *r, const pd_net_msg *m);
+void zapi_tokens(router *r, rsub *s, size_t off, size_t len, const int32_t *ids,
+                 const pd_logprobs *lps, int n);
+void zapi_sub_done(router *r, rsub *s);
+void zapi_req_done(router *r, rreq *q);
+void zapi_forget(router *r, rreq *q); /* drops q from the client-id map */
+
+/* ---- metrics (metrics_router.c) ---- */
+
+typedef struct router_metrics {
+  pd_metrics *reg;
+  pd_metric *ttft, *itl, *e2e, *queue_len, *running, *gen_tokens, *prompt_tokens, *migrations,
+      *retries, *nodes_prefill, *nodes_decode, *http_conns, *cached_tokens;
+} router_metrics;
+
+void rmetrics_init(router *r);
+void rmetrics_request(router *r, const char *api, int status); /* requests by status */
+void rmetrics_error(router *r, const char *kind);               /* errors by kind */
+
+/* ---- the router ---- */
+
+struct router {
+  router_opts o;
+  char model_name[256];
+  uint64_t fingerprint, incarnation;
+  pd_tokenizer *tok;
+  int vocab_size, max_model_len;
+  pd_evloop *loop;
+  pd_http_server *http;
+  void *zctx;
+  pd_curve_auth *auth;
+  pd_curve_keypair keys;
+  bool have_keys;
+  void *cluster_sock, *client_sock;
+  int cluster_fd, client_fd;
+  char cluster_ep[256], client_ep[256];
+  bool drain_scheduled;
+  pd_wire_limits lim;
+  uint64_t seq;
+  /* registry */
+  rnode **nodes;
+  int n_nodes, cap_nodes;
+  pd_liveness *live;
+  /* requests */
+  rreq *all;
+  rreq *gc;
+  uint64_t next_req;
+  smap subs_by_wire;   /* wire id -> rsub */
+  smap zreqs;          /* "<hex routing id>/<client id>" -> rreq */
+  rsub *q_head, *q_tail;
+  int q_len;
+  int n_active_subs;
+  router_metrics m;
+};
+
+/* Frees finished requests (safe point). */
+void router_gc(router *r);
+/* Marks q for freeing at the next safe point (idempotent). */
+void router_retire(router *r, rreq *q);
+/* Sends on the cluster/client socket and schedules a drain (ZMQ_FD edge semantics). */
+void router_after_send(router *r);
+/* Errors as JSON text for responses ({"error": {...}}), malloc'ed. */
+char *router_error_json(int status, const char *msg, const char *code);
+
+#endif

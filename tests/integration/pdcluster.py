@@ -1,0 +1,322 @@
+"""Helpers for the cluster integration tests: real pd-router / pd-prefill / pd-decode processes
+on 127.0.0.1 with free ports, every network call with a timeout, and every process killed at
+the end whatever happens (atexit, signals, and PR_SET_PDEATHSIG so that even a SIGKILL of the
+test takes its children along).
+
+Exit codes follow ctest: 0 pass, 1 fail, 77 skip (only when a pip package cannot be installed).
+"""
+import argparse
+import atexit
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = os.path.join(REPO, "tests", "data", "models", "pycoder-12m")
+SKIP = 77
+
+
+def ensure_packages(*mods):
+    """Makes sure the modules can be imported, installing their pip packages first when
+    missing (they are not imported here: locust, for one, must not share a process with
+    code that imported ssl first). Exits 77 only when the installation itself fails (no
+    network, no pip)."""
+    import importlib.util
+    missing = [pkg for mod, pkg in mods if importlib.util.find_spec(mod) is None]
+    if not missing:
+        return
+    cmd = [sys.executable, "-m", "pip", "install", "-q"] + missing
+    try:
+        rc = subprocess.run(cmd, timeout=600).returncode
+    except Exception as e:  # noqa: BLE001 - any failure to install is a skip
+        print(f"cannot install {missing}: {e}")
+        sys.exit(SKIP)
+    if rc != 0:
+        print(f"cannot install {missing} (pip exit {rc}): skipping")
+        sys.exit(SKIP)
+    importlib.invalidate_caches()
+    still = [mod for mod, _ in mods if importlib.util.find_spec(mod) is None]
+    if still:
+        print(f"{still} still missing after pip install: skipping")
+        sys.exit(SKIP)
+
+
+def args():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", required=True, help="the CMake build folder")
+    return ap.parse_args()
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent():
+    _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+_all_procs = []
+
+
+def _kill_all():
+    for p in _all_procs:
+        if p.poll() is None:
+            try:
+                p.kill()
+            except OSError:
+                pass
+    for p in _all_procs:
+        try:
+            p.wait(timeout=5)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+atexit.register(_kill_all)
+
+
+def _on_signal(sig, frame):
+    _kill_all()
+    sys.exit(1)
+
+
+signal.signal(signal.SIGTERM, _on_signal)
+signal.signal(signal.SIGINT, _on_signal)
+
+
+class Proc:
+    def __init__(self, name, argv, logdir):
+        self.name = name
+        self.argv = argv
+        self.log_path = os.path.join(logdir, name + ".log")
+        self.log = open(self.log_path, "wb")
+        self.p = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        _all_procs.append(self.p)
+
+    def alive(self):
+        return self.p.poll() is None
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.alive():
+            os.kill(self.p.pid, sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            try:
+                self.p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(timeout=5)
+
+    def tail(self, n=40):
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = f.read().decode("utf-8", "replace").splitlines()
+            return "\n".join(lines[-n:])
+        except OSError:
+            return ""
+
+
+class Cluster:
+    """A router and its nodes. Node processes are named p0, p1, ... and d0, d1, ..."""
+
+    def __init__(self, build, router_args=(), node_args=(), prefill_args=(), decode_args=(),
+                 api_key=None):
+        self.build = build
+        self.dir = tempfile.mkdtemp(prefix="pdcluster-")
+        self.port = free_port()
+        self.cluster_port = free_port()
+        self.client_port = free_port()
+        self.api_key = api_key
+        self.router_args = list(router_args)
+        self.node_args = ["--threads", "1", "--kv-cache-mb", "64"] + list(node_args)
+        self.prefill_args = list(prefill_args)
+        self.decode_args = list(decode_args)
+        self.procs = {}
+        self.counter = {"p": 0, "d": 0}
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def headers(self):
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def start_router(self):
+        argv = [os.path.join(self.build, "router", "pd-router"), "--model", MODEL,
+                "--port", str(self.port), "--cluster-port", str(self.cluster_port),
+                "--client-port", str(self.client_port),
+                "--ready-file", os.path.join(self.dir, "router.ready")] + self.router_args
+        if self.api_key:
+            argv += ["--api-key", self.api_key]
+        name = "router" if "router" not in self.procs else f"router{len(self.procs)}"
+        self.procs["router"] = Proc(name, argv, self.dir)
+        self._wait_file(os.path.join(self.dir, "router.ready"), self.procs["router"], 20)
+        return self.procs["router"]
+
+    def start_node(self, role, extra=()):
+        k = "p" if role == "prefill" else "d"
+        name = f"{k}{self.counter[k]}"
+        self.counter[k] += 1
+        binary = os.path.join(self.build, f"{role}-node", f"pd-{role}")
+        ready = os.path.join(self.dir, name + ".ready")
+        argv = [binary, "--model", MODEL, "--router", f"tcp://127.0.0.1:{self.cluster_port}",
+                "--node-id", name, "--ready-file", ready] + self.node_args
+        argv += self.prefill_args if role == "prefill" else self.decode_args
+        argv += list(extra)
+        self.procs[name] = Proc(name, argv, self.dir)
+        return name
+
+    def wait_node_ready(self, name, timeout=60):
+        self._wait_file(os.path.join(self.dir, name + ".ready"), self.procs[name], timeout)
+        with open(os.path.join(self.dir, name + ".ready")) as f:
+            return json.load(f)
+
+    def _wait_file(self, path, proc, timeout):
+        end = time.time() + timeout
+        while time.time() < end:
+            if os.path.exists(path):
+                return
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited early:\n{proc.tail()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"{proc.name} not ready after {timeout} s:\n{proc.tail()}")
+
+    def health(self):
+        import requests
+        try:
+            r = requests.get(self.url + "/health", timeout=5)
+            return r.status_code, r.json()
+        except Exception:  # noqa: BLE001
+            return 0, {}
+
+    def wait_health(self, n_prefill, n_decode, timeout=60):
+        end = time.time() + timeout
+        last = None
+        while time.time() < end:
+            code, body = self.health()
+            last = (code, body)
+            if (code == 200 and body.get("prefill_nodes") == n_prefill and
+                    body.get("decode_nodes") == n_decode):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"cluster not healthy ({n_prefill}P/{n_decode}D) after {timeout} s: "
+                           f"{last}\n" + self.logs())
+
+    def up(self, n_prefill=1, n_decode=1):
+        self.start_router()
+        names = [self.start_node("prefill") for _ in range(n_prefill)]
+        names += [self.start_node("decode") for _ in range(n_decode)]
+        for n in names:
+            self.wait_node_ready(n)
+        self.wait_health(n_prefill, n_decode)
+        return self
+
+    def node_metrics_port(self, name):
+        with open(os.path.join(self.dir, name + ".ready")) as f:
+            return json.load(f)["metrics_port"]
+
+    def logs(self, n=30):
+        return "\n".join(f"--- {k} ---\n{p.tail(n)}" for k, p in self.procs.items())
+
+    def down(self):
+        """Stops every process (SIGTERM, so sanitizer builds report leaks at exit, then
+        SIGKILL) and returns the names of logs holding a sanitizer report."""
+        for p in self.procs.values():
+            if p.alive():
+                try:
+                    os.kill(p.p.pid, signal.SIGCONT)  # a stopped process cannot exit
+                except OSError:
+                    pass
+                p.kill(signal.SIGTERM)
+        for p in self.procs.values():
+            p.kill()
+        bad = []
+        for name, p in self.procs.items():
+            try:
+                with open(p.log_path, "rb") as f:
+                    text = f.read().decode("utf-8", "replace")
+            except OSError:
+                continue
+            if ("ERROR: AddressSanitizer" in text or "ERROR: LeakSanitizer" in text or
+                    "runtime error:" in text or "ThreadSanitizer" in text):
+                bad.append(name)
+                print(f"--- sanitizer report in {name} ---\n{p.tail(60)}")
+        for p in self.procs.values():
+            p.log.close()
+        if not bad and not os.environ.get("PD_KEEP_LOGS"):
+            import shutil
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return bad
+
+
+def metric(text, name, labels=None):
+    """Sum of the samples of a series in Prometheus text (labels: dict subset to match)."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, _, val = line.rpartition(" ")
+        base, _, lab = key.partition("{")
+        if base != name:
+            continue
+        if labels and not all(f'{k}="{v}"' in lab for k, v in labels.items()):
+            continue
+        total += float(val)
+        found = True
+    return total if found else None
+
+
+def pdctl_generate(build, prompt=None, chat=None, max_tokens=32, extra=()):
+    argv = [os.path.join(build, "tools", "pdctl"), "generate", "--model", MODEL,
+            "--max-tokens", str(max_tokens), "--temperature", "0", "--json", "--threads", "1"]
+    argv += ["--prompt", prompt] if prompt is not None else ["--chat", chat]
+    argv += list(extra)
+    out = subprocess.run(argv, capture_output=True, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+class Checks:
+    """Collects failures instead of stopping at the first, then reports."""
+
+    def __init__(self):
+        self.failures = []
+        self.n = 0
+
+    def ok(self, cond, what):
+        self.n += 1
+        if cond:
+            print(f"  ok   {what}")
+        else:
+            print(f"  FAIL {what}")
+            self.failures.append(what)
+        return cond
+
+    def eq(self, a, b, what):
+        good = a == b
+        if not good:
+            what = f"{what}: {a!r} != {b!r}"
+        return self.ok(good, what)
+
+    def done(self, cluster=None):
+        if self.failures:
+            print(f"{len(self.failures)} of {self.n} checks failed")
+            if cluster:
+                print(cluster.logs())
+            return 1
+        print(f"all {self.n} checks passed")
+        return 0
