@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# pdserve's GPU tests and benchmarks in one pass, for a CUDA machine that has the driver and the
+# CUDA toolkit but none of the build dependencies: run from the repository root with a bundle of
+# prebuilt programs (bin/: pdctl, test_cuda_ops, test_cuda_golden, pd-bench-cuda; lib/: their
+# non-glibc shared libraries), e.g. one made by deploy/bundle.sh.
+#
+#   bench/gpu_suite.sh BUNDLE_DIR [quick]
+#
+# Prints every section; never stops at a failure (each step's exit status is printed).
+set -u
+D=${1:?usage: gpu_suite.sh BUNDLE_DIR [quick]}
+quick=${2:-}
+export LD_LIBRARY_PATH="$D/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export PD_TEST_DATA_DIR="$PWD/tests/data"
+M=/tmp/pdserve-llama3-8b
+step() { echo; echo "=== $* ($(date +%T))"; }
+run() { "$@"; echo "--- exit $?"; }
+
+step machine
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+step test_cuda_ops;    run "$D/bin/test_cuda_ops"
+step compute-sanitizer memcheck; run compute-sanitizer --tool memcheck --error-exitcode 9 "$D/bin/test_cuda_ops" small
+for m in pycoder-12m pycoder-draft-2m pycoder-qwen2-4m tiny-random-llama31; do
+  step "test_cuda_golden $m"; run "$D/bin/test_cuda_golden" "$m"
+done
+step pd-bench-cuda;    run "$D/bin/pd-bench-cuda"
+[ "$quick" = quick ] && exit 0
+
+step make-model llama3-8b
+run "$D/bin/pdctl" make-model --like llama3-8b --tokenizer synthetic --force --out "$M"
+step "decode, batch 1 (prompt 128)"
+run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 128 \
+  --decode-tokens 256 --repeat 2
+step "decode with 1k context, batch 8..256"
+run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 8,32,128,256 \
+  --prompt-len 1024 --decode-tokens 64 --repeat 1
+step "prefill 1k and 8k"
+run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 1024 \
+  --decode-tokens 2 --repeat 3
+run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 8000 \
+  --decode-tokens 2 --repeat 2
+step "PyTorch baselines"
+run timeout 240 python3 bench/torch_baseline.py "$M" --batches 1,32 --budget-s 200
