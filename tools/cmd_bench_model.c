@@ -3,7 +3,9 @@
  * For each concurrency B: B requests with random prompts of --prompt-len tokens and
  * --decode-tokens outputs (ignore_eos) are queued at once with --max-seqs B. Reported:
  *   prefill tok/s: B * prompt_len / (time until every request has its first token)
- *   decode tok/s:  tokens generated after that / the time they took (steady-state decode)
+ *   decode tok/s:  over the steps in which every one of the B sequences decoded a token (pure
+ *                  decode at concurrency B): their tokens / their time; 0 when no step had all
+ *                  B decoding (raise --decode-tokens so decodes outlast the staggered prefill)
  *   total tok/s:   all generated tokens / the whole run (offline throughput)
  * Best of --repeat runs. Prefix caching is off so repeated runs measure real work. */
 #include <cjson/cJSON.h>
@@ -72,25 +74,27 @@ static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int r
         return pdctl_fail("%s", e.msg);
     }
     cnt.generated = 0;
-    double t0 = pdctl_now(), t1 = 0;
-    uint64_t at_t1 = 0, steps = 0, steps_t1 = 0;
+    double t0 = pdctl_now(), t1 = 0, full_time = 0;
+    uint64_t full_tokens = 0, full_steps = 0;
     while (pd_sched_has_work(rt.sched)) {
+      uint64_t before = cnt.generated;
+      double ts = pdctl_now();
       if (pd_sched_step(rt.sched, &e) != PD_OK) return pdctl_fail("%s", e.msg);
-      steps++;
-      if (!t1 && cnt.n_first == batch) { /* every request has its first token */
-        t1 = pdctl_now();
-        at_t1 = cnt.generated;
-        steps_t1 = steps;
+      if (cnt.generated - before == (uint64_t)batch) { /* all B decoded in this step */
+        full_time += pdctl_now() - ts;
+        full_tokens += (uint64_t)batch;
+        full_steps++;
       }
+      if (!t1 && cnt.n_first == batch) t1 = pdctl_now(); /* every request has its first token */
     }
     double t2 = pdctl_now();
     double p = (double)batch * prompt_len / (t1 - t0);
-    double d = t2 > t1 ? (double)(cnt.generated - at_t1) / (t2 - t1) : 0;
+    double d = full_time > 0 ? (double)full_tokens / full_time : 0;
     double tot = (double)cnt.generated / (t2 - t0);
     if (p > out->prefill_tps) out->prefill_tps = p;
     if (d > out->decode_tps) {
       out->decode_tps = d;
-      out->step_ms = steps > steps_t1 ? 1e3 * (t2 - t1) / (double)(steps - steps_t1) : 0;
+      out->step_ms = 1e3 * full_time / (double)full_steps;
     }
     if (tot > out->total_tps) out->total_tps = tot;
   }
