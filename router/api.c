@@ -502,16 +502,16 @@ static int parse_completion_prompt(router *r, rreq *q, const cJSON *body, char *
     return 400;
   }
   const cJSON *first = pr->child;
-  if (cJSON_GetArraySize(pr) > 64) {
-    snprintf(msg, cap, "at most 64 prompts per request");
-    return 400;
-  }
-  if (cJSON_IsNumber(first)) {
+  if (cJSON_IsNumber(first)) { /* one prompt of token ids */
     int n;
     int32_t *ids = ids_from_json(pr, &n, msg, cap);
     if (!ids) return 400;
     if (!add_prompt(q, ids, n, NULL, 0)) return 500;
     return 0;
+  }
+  if (cJSON_GetArraySize(pr) > 64) {
+    snprintf(msg, cap, "at most 64 prompts per request");
+    return 400;
   }
   const cJSON *v;
   cJSON_ArrayForEach(v, pr) {
@@ -775,7 +775,7 @@ static void stream_chunk(router *r, rsub *s, const char *text, size_t len, const
   cJSON_AddNumberToObject(c, "index", s->index);
   char *t = malloc(len + 1);
   if (t) {
-    memcpy(t, text, len);
+    if (len) memcpy(t, text, len);
     t[len] = 0;
   }
   if (q->kind == API_CHAT) {

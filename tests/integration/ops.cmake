@@ -1,0 +1,37 @@
+# Operations tests (label integration): pdctl cluster / client / bench against real processes
+# on 127.0.0.1, and the deploy/ files (compose, Kubernetes, Dockerfiles, bundle.sh). Python 3
+# drives them (standard library only; test_deploy_files.py also wants PyYAML and skips without
+# it). Each test bounds every wait and stops every process it started.
+find_package(Python3 COMPONENTS Interpreter)
+if(NOT Python3_Interpreter_FOUND)
+  message(STATUS "pdserve: Python 3 not found: the pdctl and deploy integration tests are skipped")
+  return()
+endif()
+
+# Sanitizer builds run several times slower: give the processes more time.
+set(_pd_ops_slow 1)
+if(PD_SANITIZE)
+  set(_pd_ops_slow 3)
+endif()
+
+function(pd_add_py_test name script timeout)
+  add_test(NAME ${name}
+           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/${script} ${ARGN})
+  set_tests_properties(${name} PROPERTIES LABELS integration TIMEOUT ${timeout}
+                       SKIP_RETURN_CODE 77 ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
+endfunction()
+
+pd_add_py_test(test_deploy_files test_deploy_files.py 120
+               --repo ${PROJECT_SOURCE_DIR} --bin-dir ${PROJECT_BINARY_DIR})
+pd_add_py_test(test_deploy_bundle test_deploy_bundle.py 120
+               --repo ${PROJECT_SOURCE_DIR} --bin-dir ${PROJECT_BINARY_DIR})
+
+if(TARGET pdctl AND TARGET pdclient AND TARGET pd-router AND TARGET pd-prefill AND TARGET pd-decode)
+  foreach(t cluster client bench)
+    pd_add_py_test(test_pdctl_${t} test_pdctl_${t}.py 240
+                   --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR} --slow ${_pd_ops_slow})
+  endforeach()
+  # Each starts its own cluster: several at once would only fight over the two cores.
+  set_tests_properties(test_pdctl_cluster test_pdctl_client test_pdctl_bench
+                       PROPERTIES RESOURCE_LOCK pdctl_cluster)
+endif()
