@@ -811,6 +811,11 @@ static int cluster_up(int argc, char **argv) {
   }
 
   /* the nodes */
+  bool threads_given = (prefill_args && strstr(prefill_args, "--threads")) ||
+                       (decode_args && strstr(decode_args, "--threads"));
+  for (int i = dd + 1; i < argc; i++) threads_given |= strncmp(argv[i], "--threads", 9) == 0;
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  int node_threads = cores > n_prefill + n_decode ? (int)(cores / (n_prefill + n_decode)) : 1;
   for (int k = 0; k < n_prefill + n_decode; k++) {
     bool pre = k < n_prefill;
     int idx = pre ? k : k - n_prefill;
@@ -843,6 +848,10 @@ static int cluster_up(int argc, char **argv) {
     if (pre && prefill_args) add_split_args(p, prefill_args);
     if (!pre && decode_args) add_split_args(p, decode_args);
     for (int i = dd + 1; i < argc; i++) proc_arg(p, argv[i]);
+    /* The nodes share this machine's cores: unless told otherwise, split them so that the
+     * CPU backends' spinning thread pools never oversubscribe it (2 nodes x all cores on
+     * 2 cores runs several times slower than 1 thread each). */
+    if (!threads_given) proc_argf(p, "--threads=%d", node_threads);
     if (spawn(&c, p) != 0) return fail_up(&c, false);
   }
   if (!quiet)
