@@ -464,6 +464,11 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
   if ((st = pd_runtime_open(&n->rt, &ro, on_event, ev_user, e)) != PD_OK) return st;
 
   /* the KV cache as host pages (the CPU backend's memory is host memory) */
+  if (!n->rt.be->host_memory)
+    return pd_err_set(e, PD_EUNSUPPORTED,
+                      "--device %s: cluster nodes ship KV pages from host memory; staging device "
+                      "KV through pinned buffers is not implemented yet (use --device cpu)",
+                      ro.device ? ro.device : "?");
   const pd_model_config *c = &n->rt.model->cfg;
   n->layers = calloc((size_t)c->num_layers, sizeof *n->layers);
   if (!n->layers) return pd_err_set(e, PD_ENOMEM, "out of memory");
