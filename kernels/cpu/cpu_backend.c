@@ -610,6 +610,7 @@ pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e) {
     return NULL;
   }
   be->impl = c;
+  be->host_memory = true; /* weights are used in place from the mapping */
   be->ops = (pd_backend_ops){
       .name = "cpu",
       .alloc = cpu_alloc,
