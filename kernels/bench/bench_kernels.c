@@ -9,6 +9,7 @@
  * backend ops (what the engine's forward pass costs in kernels alone). PD_CPU_ISA picks the kernel
  * family as in the library. Each figure is the best of several timed batches (the machine may be
  * shared). -q runs shorter batches; -s runs one section (peak, pool, matmul, sweep, attn, model);
+ * "batch" covers batched decode (M = 17..256 sequences, 1 token each) for matmul and attention;
  * -c times with the process CPU clock instead of the wall clock, which makes -t 1 figures
  * repeatable on a machine other processes are using (meaningless with more threads). */
 #include <math.h>
@@ -167,11 +168,14 @@ typedef struct mm_arg {
   float *y, *x;
   void *w;
   int M, N, K;
+  int n_w, cur; /* cold W: n_w copies of W back to back, used in turn */
 } mm_arg;
 
 static void mm_once(void *p) {
   mm_arg *a = p;
-  a->be->ops.matmul(a->be, a->y, a->x, a->w, PD_DTYPE_BF16, NULL, a->M, a->N, a->K);
+  const uint16_t *w = (const uint16_t *)a->w + (size_t)a->cur * a->N * a->K;
+  if (++a->cur == a->n_w) a->cur = 0;
+  a->be->ops.matmul(a->be, a->y, a->x, w, PD_DTYPE_BF16, NULL, a->M, a->N, a->K);
 }
 
 static void *rand_bf16(size_t n) {
@@ -196,9 +200,12 @@ static float *rand_f32(size_t n, float ampl) {
   return x;
 }
 
-static double bench_matmul(pd_backend *be, int M, int N, int K, double *gbs) {
-  mm_arg a = {.be = be, .M = M, .N = N, .K = K};
-  a.w = rand_bf16((size_t)N * K);
+/* Seconds per matmul. cold: W cycles through copies filling 96 MiB, so it comes from DRAM as in a
+ * whole decode step (whose weights and KV cache together overflow the L3); else W stays cached. */
+static double bench_matmul_w(pd_backend *be, int M, int N, int K, double *gbs, int cold) {
+  mm_arg a = {.be = be, .M = M, .N = N, .K = K, .n_w = 1};
+  if (cold) a.n_w = (int)(((size_t)96 << 20) / ((size_t)N * K * 2)) + 1;
+  a.w = rand_bf16((size_t)a.n_w * N * K);
   a.x = rand_f32((size_t)M * K, 1);
   a.y = malloc((size_t)M * N * 4);
   if (!a.w || !a.x || !a.y) {
@@ -209,6 +216,10 @@ static double bench_matmul(pd_backend *be, int M, int N, int K, double *gbs) {
   if (gbs) *gbs = (double)N * K * 2 / t / 1e9;
   free(a.w), free(a.x), free(a.y);
   return t;
+}
+
+static double bench_matmul(pd_backend *be, int M, int N, int K, double *gbs) {
+  return bench_matmul_w(be, M, N, K, gbs, 0);
 }
 
 /* ---- attention ------------------------------------------------------------------------------- */
@@ -399,6 +410,35 @@ static void section_matmul(pd_backend *be, double peak) {
   }
 }
 
+/* Batched decode: M = number of sequences, the projection shapes of pycoder-12m. */
+static void section_batch(pd_backend *be, double peak) {
+  static const int shapes[][2] = {{128, 384}, {384, 384}, {2048, 384}, {384, 1024}, {4096, 384}};
+  static const int Ms[] = {17, 32, 64, 128, 256};
+  printf("\nbatched decode matmul, bf16 W [N,K]          time      GFLOP/s   %%peak\n");
+  for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+      int M = Ms[mi], N = shapes[s][0], K = shapes[s][1];
+      double t = bench_matmul(be, M, N, K, NULL);
+      double gf = 2.0 * M * N * K / t / 1e9;
+      printf("  M=%-4d N=%-5d K=%-5d               %9.1f us %8.1f %7.0f%%\n", M, N, K, t * 1e6, gf,
+             peak > 0 ? 100 * gf / peak : 0);
+    }
+  }
+  printf("\nsame, W cold (from DRAM, as in a whole decode step)\n");
+  for (size_t mi = 0; mi < 2; mi++) {
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+      int M = mi == 0 ? 32 : 128, N = shapes[s][0], K = shapes[s][1];
+      double t = bench_matmul_w(be, M, N, K, NULL, 1);
+      double gf = 2.0 * M * N * K / t / 1e9;
+      printf("  M=%-4d N=%-5d K=%-5d               %9.1f us %8.1f %7.0f%%\n", M, N, K, t * 1e6, gf,
+             peak > 0 ? 100 * gf / peak : 0);
+    }
+  }
+  printf("\nbatched decode attention (1 new token per sequence)\n");
+  bench_attention(be, "decode, 32 seqs, ctx 200", 32, 1, 200);
+  bench_attention(be, "decode, 128 seqs, ctx 200", 128, 1, 200);
+}
+
 static void section_sweep(pd_backend *be) {
   static const int Ms[] = {1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128};
   printf("\nmatmul M sweep, N=1024 K=384 (GEMV up to M=%d, GEMM above)\n",
@@ -448,7 +488,7 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[i], "-s") == 0 && i + 1 < argc)
       g_only = argv[++i];
     else {
-      fprintf(stderr, "usage: %s [-t THREADS] [-q] [-c] [-s peak|pool|matmul|sweep|attn|model]\n",
+      fprintf(stderr, "usage: %s [-t THREADS] [-q] [-c] [-s peak|pool|matmul|sweep|batch|attn|model]\n",
               argv[0]);
       return 2;
     }
@@ -463,10 +503,11 @@ int main(int argc, char **argv) {
   pd_pool *pool = pd_backend_cpu_pool(be);
   int nt = pd_pool_size(pool);
   printf("pd-bench-kernels: isa %s, %d thread(s)\n\n", pd_backend_cpu_isa(be), nt);
-  double peak = want("peak") || want("matmul") ? section_peak(be, nt) : 0;
+  double peak = want("peak") || want("matmul") || want("batch") ? section_peak(be, nt) : 0;
   if (want("pool")) section_pool(pool, nt);
   if (want("matmul")) section_matmul(be, peak);
   if (want("sweep")) section_sweep(be);
+  if (want("batch")) section_batch(be, peak);
   if (want("attn")) section_attn(be);
   if (want("model")) section_model(be);
   pd_backend_destroy(be);

@@ -120,6 +120,7 @@ typedef struct mm_ctx {
   int M, N, K;
   int rows_per_task; /* GEMV: W rows per task */
   int mc, n_panels;  /* GEMM: x rows per task, output panels */
+  int ppt, n_groups; /* GEMM: panels per task (a run of adjacent panels), runs */
 } mm_ctx;
 
 static void gemv_task(void *arg, int task, int thread) {
@@ -132,10 +133,11 @@ static void gemv_task(void *arg, int task, int thread) {
 
 static void gemm_task(void *arg, int task, int thread) {
   mm_ctx *m = arg;
-  int mb = task / m->n_panels, p = task % m->n_panels;
+  int mb = task / m->n_groups, p0 = task % m->n_groups * m->ppt;
+  int p1 = p0 + m->ppt < m->n_panels ? p0 + m->ppt : m->n_panels;
   int m0 = mb * m->mc, m1 = m0 + m->mc;
   if (m1 > m->M) m1 = m->M;
-  m->c->k->gemm(m->y, m->x, m->w, m->wdt, m->bias, m->M, m->N, m->K, m0, m1, p,
+  m->c->k->gemm(m->y, m->x, m->w, m->wdt, m->bias, m->M, m->N, m->K, m0, m1, p0, p1,
                 (float *)m->c->scr[thread]);
 }
 
@@ -171,23 +173,30 @@ static void cpu_matmul(pd_backend *be, float *y, const float *x, const void *w, 
     return;
   }
 
-  /* GEMM: tasks are (block of at most MM_MC_MAX rows) x (output panel). */
+  /* GEMM: tasks are (block of at most MM_MC_MAX rows) x (run of adjacent output panels). A task
+   * packs each of its panels once and prefetches the next one's W while it computes, so long runs
+   * pay off when W comes from DRAM (decode batches); about four tasks per thread keep the dynamic
+   * hand-out balanced. Rows are split further only when there are too few panels, since every
+   * row block packs its panels again. */
   const int mr = k->mm_mr, nr = k->mm_nr;
   m.n_panels = (N + nr - 1) / nr;
   int mc = M < MM_MC_MAX ? M : MM_MC_MAX;
+  int n_mb = (M + mc - 1) / mc;
+  m.ppt = m.n_panels;
   if (parallel) {
-    /* Enough tasks for balance: split rows further when there are few panels. */
     int want = 4 * c->nt;
-    int n_mb = (M + mc - 1) / mc;
-    if (n_mb * m.n_panels < want) {
-      int split = (want + m.n_panels - 1) / m.n_panels;
+    int groups = (want + n_mb - 1) / n_mb;
+    m.ppt = (m.n_panels + groups - 1) / groups;
+    if (n_mb * m.n_panels < 2 * c->nt) {
+      int split = (2 * c->nt + m.n_panels - 1) / m.n_panels;
       mc = (M + split - 1) / split;
     }
   }
   mc = (mc + mr - 1) / mr * mr;
   m.mc = mc;
+  m.n_groups = (m.n_panels + m.ppt - 1) / m.ppt;
   ensure_scratch(c, (size_t)nr * k->mm_kc * sizeof(float));
-  run(c, gemm_task, &m, (M + mc - 1) / mc * m.n_panels, parallel);
+  run(c, gemm_task, &m, (M + mc - 1) / mc * m.n_groups, parallel);
 }
 
 /* ---- row ops --------------------------------------------------------------------------------- */

@@ -81,10 +81,11 @@ typedef struct pd_cpu_kern {
   /* y[m, n] for all m < M and n in [n0, n1). */
   void (*gemv)(float *y, const float *xp, const void *w, pd_dtype wdt, const float *bias, int M,
                int N, int K, int n0, int n1);
-  /* GEMM on rows [m0, m1) and output panel p (features [p*mm_nr, min(N, (p+1)*mm_nr))).
+  /* GEMM on rows [m0, m1) and output panels [p0, p1) (panel p = features
+   * [p*mm_nr, min(N, (p+1)*mm_nr))), panels in order (each prefetches the next one's W).
    * panel: mm_nr * mm_kc floats of scratch. */
   void (*gemm)(float *y, const float *x, const void *w, pd_dtype wdt, const float *bias, int M,
-               int N, int K, int m0, int m1, int p, float *panel);
+               int N, int K, int m0, int m1, int p0, int p1, float *panel);
 
   size_t (*attn_scratch)(int head_dim); /* bytes */
   void (*attn)(const pd_cpu_attn *a, const pd_cpu_attn_tile *t, void *scratch);

@@ -275,10 +275,27 @@ AI void gv_rows(float *y, const float *xp, const void *w, pd_dtype dt, const flo
 }
 
 /* Passes of at most four x rows: more rows per pass would need more accumulators than there are
- * registers; re-reading W for the next pass mostly hits L2. */
+ * registers. W is swept in blocks of GV_NB rows (48-128 KiB of bf16 at K = 384-1024) with every
+ * pass run on one block before the next, so the passes after the first re-read W from L1/L2
+ * whatever the task size (decode batches of up to GV_MAX_M sequences run here). */
+#define GV_NB 64
 AI void gv_dt(float *y, const float *xp, const void *w, pd_dtype dt, const float *bias, int M,
-              int N, int K, int n0, int n1) {
+              int N, int K, int n0_, int n1_) {
+  const int passes = (M + 3) / 4;
+  const size_t rb = (size_t)K * dt_size(dt);
+  for (int n0 = n0_; n0 < n1_; n0 += GV_NB) {
+  const int n1 = n1_ - n0 < GV_NB ? n1_ : n0 + GV_NB;
+  const int nn = n1_ - n1 < GV_NB ? n1_ - n1 : GV_NB; /* rows of the next block */
   for (int m0 = 0; m0 < M; m0 += 4) {
+    /* Several passes: each pulls its share of the next block's W into L2 (the first pass over a
+     * block streams from DRAM in decode; the in-pass prefetch runs only a few rows ahead). */
+    if (VL >= 8 && passes > 1 && nn > 0) {
+      int pi = m0 / 4, per = (nn + passes - 1) / passes;
+      int r0 = pi * per, r1 = r0 + per < nn ? r0 + per : nn;
+      for (int r = r0; r < r1; r++)
+        for (size_t b = 0; b < rb; b += 64)
+          __builtin_prefetch((const char *)w + (size_t)(n1 + r) * rb + b, 0, 2);
+    }
     int mp = M - m0 < 4 ? M - m0 : 4;
     float *ym = y + (size_t)m0 * N;
     const float *xm = xp + (size_t)m0 * K;
@@ -288,6 +305,7 @@ AI void gv_dt(float *y, const float *xp, const void *w, pd_dtype dt, const float
     case 3: gv_rows(ym, xm, w, dt, bias, 3, GV_R3, N, K, n0, n1); break;
     default: gv_rows(ym, xm, w, dt, bias, 4, GV_R4, N, K, n0, n1); break;
     }
+  }
   }
 }
 
@@ -307,6 +325,27 @@ static void k_gemv(float *y, const float *xp, const void *w, pd_dtype wdt, const
  * panel and MM_MR broadcasts of x, MM_MR * MM_NV FMAs. x is read in place (row stride K).
  * ============================================================================================== */
 
+/* Walks the cache lines of a block of W (rows of row_bytes bytes, stride bytes apart) one
+ * prefetch at a time, so the micro-kernel can pull in the next panel while it computes this one:
+ * at decode batch sizes W comes from DRAM (the weights and KV cache of a step overflow the L3)
+ * and a panel's rows are short strided runs that the hardware prefetcher does not follow. */
+typedef struct mm_pf {
+  const char *row; /* current row */
+  size_t stride;   /* bytes between rows */
+  int col, row_bytes, rows_left;
+} mm_pf;
+
+AI void mm_pf_step(mm_pf *c) {
+  if (c->rows_left <= 0) return;
+  __builtin_prefetch(c->row + c->col, 0, 2);
+  c->col += 64;
+  if (c->col >= c->row_bytes) {
+    c->col = 0;
+    c->row += c->stride;
+    c->rows_left--;
+  }
+}
+
 AI void mm_pack_dt(float *pw, const void *w, pd_dtype dt, int K, int n0, int nv, int k0, int kc) {
   for (int rb = 0; rb < MM_NR; rb += VL) {
     int rv = nv - rb; /* valid W rows in this VL block */
@@ -317,6 +356,13 @@ AI void mm_pack_dt(float *pw, const void *w, pd_dtype dt, int K, int n0, int nv,
         vf r[VL];
 #pragma GCC unroll 16
         for (int i = 0; i < VL; i++) r[i] = load_dt(w, (size_t)(n0 + rb + i) * K + k0 + k, dt);
+        /* Four cache lines ahead along each row, once per line (the first panel of a task was not
+         * prefetched by a previous one). Integer arithmetic: the address may lie past W. */
+        if (VL >= 8 && ((k * dt_size(dt)) & 63) == 0)
+#pragma GCC unroll 16
+          for (int i = 0; i < VL; i++)
+            __builtin_prefetch((const void *)((uintptr_t)w + ((size_t)(n0 + rb + i) * K + k0 + k) *
+                                                                 dt_size(dt) + 256), 0, 2);
         v_transpose(r);
 #pragma GCC unroll 16
         for (int i = 0; i < VL; i++) V_STORE(pw + (size_t)(k + i) * MM_NR + rb, r[i]);
@@ -338,15 +384,17 @@ static void mm_pack(float *pw, const void *w, pd_dtype dt, int K, int n0, int nv
 }
 
 /* y[0..mr, 0..nv) (row stride ldy) = / += x[0..mr, 0..kc) (row stride ldx) . panel.
- * accum: add to y (later depth blocks); otherwise store, adding bias (NULL for none). */
+ * accum: add to y (later depth blocks); otherwise store, adding bias (NULL for none).
+ * pf: advanced by one cache line every second k (an exhausted cursor issues nothing). */
 AI void mm_micro(int mr, float *y, int ldy, const float *x, int ldx, const float *pw, int kc,
-                 int nv, const float *bias, int accum) {
+                 int nv, const float *bias, int accum, mm_pf *pf) {
   vf acc[MM_MR][MM_NV];
 #pragma GCC unroll 16
   for (int i = 0; i < mr; i++)
 #pragma GCC unroll 4
     for (int v = 0; v < MM_NV; v++) acc[i][v] = V_ZERO();
   for (int k = 0; k < kc; k++) {
+    if (VL >= 8 && (k & 1) == 0) mm_pf_step(pf);
     vf b[MM_NV];
 #pragma GCC unroll 4
     for (int v = 0; v < MM_NV; v++) {
@@ -393,10 +441,10 @@ AI void mm_micro(int mr, float *y, int ldy, const float *x, int ldx, const float
 }
 
 static void mm_micro_any(int mr, float *y, int ldy, const float *x, int ldx, const float *pw,
-                         int kc, int nv, const float *bias, int accum) {
+                         int kc, int nv, const float *bias, int accum, mm_pf *pf) {
   switch (mr) {
 #define MM_CASE(R)                                                                                \
-  case R: mm_micro(R, y, ldy, x, ldx, pw, kc, nv, bias, accum); break;
+  case R: mm_micro(R, y, ldy, x, ldx, pw, kc, nv, bias, accum, pf); break;
   MM_CASE(1)
 #if MM_MR >= 2
   MM_CASE(2)
@@ -442,20 +490,46 @@ static void mm_micro_any(int mr, float *y, int ldy, const float *x, int ldx, con
   }
 }
 
+/* Output panels [p0, p1) on rows [m0, m1). For each panel and depth block: pack (widen and
+ * transpose) W into the panel scratch, then sweep the rows in register tiles; while it computes,
+ * the micro-kernel prefetches the W of the next depth block or panel of this task. */
 static void k_gemm(float *y, const float *x, const void *w, pd_dtype wdt, const float *bias, int M,
-                   int N, int K, int m0, int m1, int p, float *panel) {
+                   int N, int K, int m0, int m1, int p0, int p1, float *panel) {
   (void)M;
-  int n0 = p * MM_NR, nv = N - n0 < MM_NR ? N - n0 : MM_NR;
-  for (int k0 = 0; k0 < K; k0 += MM_KC) {
-    int kc = K - k0 < MM_KC ? K - k0 : MM_KC;
-    mm_pack(panel, w, wdt, K, n0, nv, k0, kc);
-    const float *b = k0 == 0 && bias ? bias + n0 : NULL;
-    int m = m0;
-    for (; m + MM_MR <= m1; m += MM_MR)
-      mm_micro(MM_MR, y + (size_t)m * N + n0, N, x + (size_t)m * K + k0, K, panel, kc, nv, b, k0 > 0);
-    if (m < m1)
-      mm_micro_any(m1 - m, y + (size_t)m * N + n0, N, x + (size_t)m * K + k0, K, panel, kc, nv, b,
-                   k0 > 0);
+  const size_t esz = dt_size(wdt);
+  for (int p = p0; p < p1; p++) {
+    int n0 = p * MM_NR, nv = N - n0 < MM_NR ? N - n0 : MM_NR;
+    for (int k0 = 0; k0 < K; k0 += MM_KC) {
+      int kc = K - k0 < MM_KC ? K - k0 : MM_KC;
+      mm_pack(panel, w, wdt, K, n0, nv, k0, kc);
+      /* What this task reads next: the next depth block of this panel, else the next panel. */
+      mm_pf pf = {.rows_left = 0};
+      if (k0 + kc < K) {
+        int kn = K - (k0 + kc) < MM_KC ? K - (k0 + kc) : MM_KC;
+        pf = (mm_pf){(const char *)w + ((size_t)n0 * K + k0 + kc) * esz, (size_t)K * esz, 0,
+                     (int)(kn * esz), nv};
+      } else if (p + 1 < p1) {
+        int n1 = n0 + MM_NR, nv1 = N - n1 < MM_NR ? N - n1 : MM_NR;
+        int kn = K < MM_KC ? K : MM_KC;
+        pf = (mm_pf){(const char *)w + (size_t)n1 * K * esz, (size_t)K * esz, 0, (int)(kn * esz),
+                     nv1};
+      }
+      const float *b = k0 == 0 && bias ? bias + n0 : NULL;
+      /* Rows in ceil(rows / MM_MR) tiles of near-equal height (17 rows: 6 + 6 + 5, not
+       * 8 + 8 + 1): a short tile does little work per panel load and per loop trip. */
+      const int rows = m1 - m0, n_tiles = (rows + MM_MR - 1) / MM_MR;
+      int m = m0;
+      for (int t = 0; t < n_tiles; t++) {
+        int mr = rows / n_tiles + (t < rows % n_tiles);
+        float *yt = y + (size_t)m * N + n0;
+        const float *xt = x + (size_t)m * K + k0;
+        if (mr == MM_MR)
+          mm_micro(MM_MR, yt, N, xt, K, panel, kc, nv, b, k0 > 0, &pf);
+        else
+          mm_micro_any(mr, yt, N, xt, K, panel, kc, nv, b, k0 > 0, &pf);
+        m += mr;
+      }
+    }
   }
 }
 
@@ -474,6 +548,7 @@ static void k_gemm(float *y, const float *x, const void *w, pd_dtype wdt, const 
  *    O [row][head_dim] accumulates broadcast P[row][key] times V rows.
  * ============================================================================================== */
 
+#define AT_PF 2 /* rows kernel: K/V prefetch distance, in key blocks */
 #define AT_ALIGN(n) (((n) + 15) & ~(size_t)15)
 #define AL_KB 32 /* lanes kernel: keys per block */
 
@@ -507,9 +582,11 @@ static void at_key_rows(const pd_cpu_attn *a, const int32_t *bt, int g, int kb0,
   }
 }
 
-/* Prefetches K and V of keys kb0 .. kb0 + nk - 1 (the next block while this one is computed).
+/* Prefetches K and V of keys kb0 .. kb0 + nk - 1 into L2 (blocks ahead of the one computed).
  * A page of one KV head is a few KiB: the hardware prefetcher stops at each 4 KiB boundary and
- * pages are scattered, so decode over a long context would otherwise wait on L3/DRAM. */
+ * pages are scattered, so decode over a long context would otherwise wait on L3/DRAM. L2, not
+ * L1: a block of K and V is 16 KiB in f32 at head_dim 64, and pulling two of them into the 32 KiB
+ * L1 would evict the block being computed (measured: 1.6x slower decode from DRAM). */
 static void at_prefetch_keys(const pd_cpu_attn *a, const int32_t *bt, int g, int kb0, int nk) {
   const int bs = a->block_size;
   const size_t esz = dt_size(a->kv_dtype), row = (size_t)a->head_dim * esz;
@@ -518,8 +595,8 @@ static void at_prefetch_keys(const pd_cpu_attn *a, const int32_t *bt, int g, int
     if (n > kb0 + nk - t) n = kb0 + nk - t;
     size_t start = ((((size_t)bt[bi] * a->n_kv_heads + g) * bs + off) * a->head_dim) * esz;
     for (size_t b = 0; b < (size_t)n * row; b += 64) {
-      __builtin_prefetch((const char *)a->k + start + b, 0, 3);
-      __builtin_prefetch((const char *)a->v + start + b, 0, 3);
+      __builtin_prefetch((const char *)a->k + start + b, 0, 2);
+      __builtin_prefetch((const char *)a->v + start + b, 0, 2);
     }
     t += n;
   }
@@ -714,10 +791,17 @@ static void at_rows(const pd_cpu_attn *a, const pd_cpu_attn_tile *t, void *scrat
   int kstart = a->window > 0 ? pmin - a->window + 1 : 0;
   if (kstart < 0) kstart = 0;
 
+  /* K/V two blocks ahead, into L2: at decode batch sizes the KV cache streams from DRAM, and a
+   * task starts cold, so its first two blocks are requested up front. */
+  {
+    int n0 = pmax + 1 - kstart < AT_PF * KB ? pmax + 1 - kstart : AT_PF * KB;
+    at_prefetch_keys(a, bt, g, kstart, n0);
+  }
   for (int kb0 = kstart; kb0 <= pmax; kb0 += KB) {
     const int nk = pmax + 1 - kb0 < KB ? pmax + 1 - kb0 : KB;
-    if (kb0 + KB <= pmax)
-      at_prefetch_keys(a, bt, g, kb0 + KB, pmax + 1 - (kb0 + KB) < KB ? pmax + 1 - (kb0 + KB) : KB);
+    if (kb0 + AT_PF * KB <= pmax)
+      at_prefetch_keys(a, bt, g, kb0 + AT_PF * KB,
+                       pmax + 1 - (kb0 + AT_PF * KB) < KB ? pmax + 1 - (kb0 + AT_PF * KB) : KB);
     at_key_rows(a, bt, g, kb0, nk, krow, vsrc);
     for (int j = 0; j < nk; j++) {
       if (direct_v) {

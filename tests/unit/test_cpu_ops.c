@@ -154,6 +154,12 @@ static void test_matmul(void) {
       {1, 1, 1},     {1, 3, 17},    {2, 17, 3},    {3, 33, 64},   {4, 100, 383},  {1, 1000, 383},
       {1, 384, 384}, {5, 31, 1000}, {7, 64, 33},   {2, 70, 1030}, {13, 1, 1030},  {64, 383, 17},
       {64, 129, 1000}, {100, 40, 1300}, {1000, 70, 383}, {9, 4096, 64}, {512, 96, 384},
+      /* batched decode (M = sequences): GEMV over W blocks up to 32 rows on avx512 (GEMM on the
+       * other levels); GEMM with register tiles of near-equal height, runs of adjacent panels per
+       * task with the next panel prefetched; odd N in the last panel, K off the vector width */
+      {17, 128, 384}, {17, 2048, 384}, {32, 384, 384}, {32, 384, 1024}, {33, 4096, 384},
+      {100, 384, 1024}, {100, 131, 384}, {256, 128, 1024}, {256, 389, 384}, {41, 1021, 1024},
+      {29, 77, 1000}, {24, 200, 383},
   };
   for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
     int M = cases[ci].M, N = cases[ci].N, K = cases[ci].K;
