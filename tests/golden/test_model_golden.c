@@ -11,86 +11,10 @@
 
 #include "pd/engine.h"
 #include "pd/model.h"
+#include "golden_util.h"
 #include "pd_test.h"
 
-#define MAX_CTX 1024
-
-typedef struct runner {
-  pd_engine *eng;
-  int V, bs, max_blocks;
-  int32_t *bt; /* block table of the one sequence: a permutation of the pool */
-  int ctx;     /* tokens in the cache */
-} runner;
-
-/* Feeds tokens [0,n) as new tokens of the sequence in chunks of `chunk`; writes the logits of
- * all n rows into all_logits (if not NULL) and of the last row into last. */
-static void feed(runner *r, const int32_t *toks, int n, int chunk, float *all_logits, float *last) {
-  int32_t pos[MAX_CTX], slots[MAX_CTX], rows[MAX_CTX];
-  float *lg = malloc((size_t)chunk * r->V * sizeof *lg);
-  REQUIRE(lg);
-  for (int off = 0; off < n; off += chunk) {
-    int m = n - off < chunk ? n - off : chunk;
-    for (int i = 0; i < m; i++) {
-      int p = r->ctx + i;
-      pos[i] = p;
-      slots[i] = r->bt[p / r->bs] * r->bs + p % r->bs;
-      rows[i] = i;
-    }
-    int32_t qs[2] = {0, m}, ctx = r->ctx + m;
-    pd_batch b = {.n_tokens = m, .tokens = toks + off, .positions = pos, .slots = slots,
-                  .n_seqs = 1, .q_start = qs, .ctx_len = &ctx, .block_tables = r->bt,
-                  .max_blocks = r->max_blocks, .n_logits = m, .logit_rows = rows};
-    pd_err e = {0};
-    pd_status st = pd_engine_forward(r->eng, &b, lg, &e);
-    if (st != PD_OK) {
-      fprintf(stderr, "forward failed: %s\n", e.msg);
-      exit(1);
-    }
-    r->ctx += m;
-    if (all_logits) memcpy(all_logits + (size_t)off * r->V, lg, (size_t)m * r->V * sizeof *lg);
-    if (off + m == n) memcpy(last, lg + (size_t)(m - 1) * r->V, (size_t)r->V * sizeof *lg);
-  }
-  free(lg);
-}
-
-static int argmax(const float *x, int n, float *gap) {
-  int b = 0;
-  for (int i = 1; i < n; i++)
-    if (x[i] > x[b]) b = i;
-  float second = -INFINITY;
-  for (int i = 0; i < n; i++)
-    if (i != b && x[i] > second) second = x[i];
-  if (gap) *gap = x[b] - second;
-  return b;
-}
-
-static double logsumexp(const float *x, int n) {
-  double mx = x[0], s = 0;
-  for (int i = 1; i < n; i++)
-    if (x[i] > mx) mx = x[i];
-  for (int i = 0; i < n; i++) s += exp((double)x[i] - mx);
-  return mx + log(s);
-}
-
-static double rel_err(const float *a, const float *ref, int n) {
-  double md = 0, mr = 0;
-  for (int i = 0; i < n; i++) {
-    double d = fabs((double)a[i] - ref[i]);
-    if (d > md) md = d;
-    if (fabs(ref[i]) > mr) mr = fabs(ref[i]);
-  }
-  return md / mr;
-}
-
-static int ints(const cJSON *arr, int32_t *out, int cap) {
-  int n = 0;
-  const cJSON *it;
-  cJSON_ArrayForEach(it, arr) {
-    REQUIRE(n < cap);
-    out[n++] = (int32_t)it->valuedouble;
-  }
-  return n;
-}
+#define MAX_CTX GOLDEN_MAX_CTX
 
 /* Runs one case: prompt fed in `chunk`-token pieces through block table `bt`, then greedy. */
 static void run_case(pd_engine *eng, const pd_model_config *cfg, const char *gdir,
@@ -115,7 +39,7 @@ static void run_case(pd_engine *eng, const pd_model_config *cfg, const char *gdi
   REQUIRE(all && last);
   feed(&r, ids, n, chunk, all, last);
 
-  double err = rel_err(last, ref, V);
+  double err = rel_err(last, ref, V, NULL);
   CHECKF(err < 1e-3, "case %d chunk %d: last-logit error %.3g", idx, chunk, err);
   int bad_argmax = 0;
   double worst_lse = 0;

@@ -18,19 +18,13 @@
 #include "pd/backend_cuda.h"
 #include "pd/engine.h"
 #include "pd/model.h"
+#include "golden_util.h"
 #include "pd_test.h"
 
-#define MAX_CTX 1024
+#define MAX_CTX GOLDEN_MAX_CTX
 #define BS 16
 #define MAX_BLOCKS (MAX_CTX / BS)
 #define NCASES 6
-
-typedef struct runner {
-  pd_engine *eng;
-  int V, max_blocks;
-  const int32_t *bt; /* block table of the one sequence */
-  int ctx;           /* tokens in the cache */
-} runner;
 
 static void forward_or_die(pd_engine *eng, const pd_batch *b, float *logits) {
   pd_err e = {0};
@@ -38,74 +32,6 @@ static void forward_or_die(pd_engine *eng, const pd_batch *b, float *logits) {
     fprintf(stderr, "forward failed: %s\n", e.msg);
     exit(1);
   }
-}
-
-/* Feeds tokens [0,n) in chunks of `chunk`; logits of every row into all (if not NULL) and of the
- * last row into last. */
-static void feed(runner *r, const int32_t *toks, int n, int chunk, float *all, float *last) {
-  int32_t pos[MAX_CTX], slots[MAX_CTX], rows[MAX_CTX];
-  float *lg = malloc((size_t)chunk * r->V * sizeof *lg);
-  REQUIRE(lg);
-  for (int off = 0; off < n; off += chunk) {
-    int m = n - off < chunk ? n - off : chunk;
-    for (int i = 0; i < m; i++) {
-      int p = r->ctx + i;
-      pos[i] = p;
-      slots[i] = r->bt[p / BS] * BS + p % BS;
-      rows[i] = i;
-    }
-    int32_t qs[2] = {0, m}, ctx = r->ctx + m;
-    pd_batch b = {.n_tokens = m, .tokens = toks + off, .positions = pos, .slots = slots,
-                  .n_seqs = 1, .q_start = qs, .ctx_len = &ctx, .block_tables = r->bt,
-                  .max_blocks = r->max_blocks, .n_logits = m, .logit_rows = rows};
-    forward_or_die(r->eng, &b, lg);
-    r->ctx += m;
-    if (all) memcpy(all + (size_t)off * r->V, lg, (size_t)m * r->V * sizeof *lg);
-    if (off + m == n) memcpy(last, lg + (size_t)(m - 1) * r->V, (size_t)r->V * sizeof *lg);
-  }
-  free(lg);
-}
-
-static int argmax(const float *x, int n, float *gap) {
-  int b = 0;
-  for (int i = 1; i < n; i++)
-    if (x[i] > x[b]) b = i;
-  float second = -INFINITY;
-  for (int i = 0; i < n; i++)
-    if (i != b && x[i] > second) second = x[i];
-  if (gap) *gap = x[b] - second;
-  return b;
-}
-
-static double logsumexp(const float *x, int n) {
-  double mx = x[0], s = 0;
-  for (int i = 1; i < n; i++)
-    if (x[i] > mx) mx = x[i];
-  for (int i = 0; i < n; i++) s += exp((double)x[i] - mx);
-  return mx + log(s);
-}
-
-/* max |a - ref| / max |ref|; *abs_err gets max |a - ref|. NaN counts as infinitely wrong. */
-static double rel_err(const float *a, const float *ref, int n, double *abs_err) {
-  double md = 0, mr = 0;
-  for (int i = 0; i < n; i++) {
-    double d = fabs((double)a[i] - ref[i]);
-    if (isnan(a[i])) d = INFINITY;
-    if (d > md) md = d;
-    if (fabs(ref[i]) > mr) mr = fabs(ref[i]);
-  }
-  if (abs_err) *abs_err = md;
-  return md / mr;
-}
-
-static int ints(const cJSON *arr, int32_t *out, int cap) {
-  int n = 0;
-  const cJSON *it;
-  cJSON_ArrayForEach(it, arr) {
-    REQUIRE(n < cap);
-    out[n++] = (int32_t)it->valuedouble;
-  }
-  return n;
 }
 
 static void run_case(pd_engine *eng, int V, const char *gdir, const cJSON *cs, int chunk,
@@ -124,7 +50,7 @@ static void run_case(pd_engine *eng, int V, const char *gdir, const cJSON *cs, i
   float *ref = (float *)pd_test_read_file(path, &len);
   REQUIRE(ref && len == (size_t)V * 4);
 
-  runner r = {eng, V, MAX_BLOCKS, bt, 0};
+  runner r = {eng, V, BS, MAX_BLOCKS, bt, 0};
   float *all = malloc((size_t)n * V * sizeof *all), *last = malloc((size_t)V * sizeof *last);
   REQUIRE(all && last);
   feed(&r, ids, n, chunk, all, last);
@@ -225,7 +151,7 @@ static void batch_vs_single(pd_engine *eng, int V, const cJSON *cases, const int
   double worst = 0;
   int flips = 0;
   for (int s = 0; s < S; s++) {
-    runner r = {eng, V, MAX_BLOCKS, bts + s * MAX_BLOCKS, 0};
+    runner r = {eng, V, BS, MAX_BLOCKS, bts + s * MAX_BLOCKS, 0};
     for (int st = 0; st <= STEPS; st++) {
       if (st == 0)
         feed(&r, ids[s], n[s], MAX_CTX, NULL, slog);
