@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda_internal.h"
+#include "cuda_state.h"
 #include "pd/backend_cuda.h"
 
 namespace {
@@ -24,28 +24,20 @@ constexpr size_t kXconvInitial = (size_t)16 << 20;  /* bf16 x for cuBLAS: 2048 x
 constexpr size_t kAttnWorkspace = (size_t)64 << 20; /* attention split partials */
 constexpr int kTilesInitial = 4096;                  /* tile prefix sums: sequences + 1 */
 
-struct cuda_impl {
-  int dev;
-  int n_sm;
-  cudaStream_t st;
-  cublasHandle_t blas;
-  void *blas_ws;
-  void *xconv; /* [M, K] bf16 or f16 copy of x for cuBLAS */
-  size_t xconv_size;
-  float *attn_ws; /* split partials: outputs then (max, sum) pairs */
-  size_t attn_ws_size;
-  int32_t *tiles;
-  int tiles_cap;
-  void *pin[2];
-  cudaEvent_t pin_ev[2];
-  pd_status status; /* first failure, sticky */
-  char msg[PD_ERR_MSG_MAX];
-};
+thread_local int tl_dev = -1;
 
-cuda_impl *impl_of(pd_backend *be) { return static_cast<cuda_impl *>(be->impl); }
+void use_device(cuda_impl *c) { pd_cuda_use_device(c); }
+void grow(cuda_impl *c, void **buf, size_t *size, size_t bytes) {
+  pd_cuda_grow(c, buf, size, bytes);
+}
 
-void record(cuda_impl *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void record(cuda_impl *c, const char *fmt, ...) {
+bool float_dtype(pd_dtype t) {
+  return t == PD_DTYPE_F32 || t == PD_DTYPE_F16 || t == PD_DTYPE_BF16;
+}
+
+} // namespace
+
+void pd_cuda_record(cuda_impl *c, const char *fmt, ...) {
   if (c->status != PD_OK) return;
   va_list ap;
   va_start(ap, fmt);
@@ -55,39 +47,27 @@ void record(cuda_impl *c, const char *fmt, ...) {
   fprintf(stderr, "pdserve cuda backend: %s\n", c->msg);
 }
 
-bool ck_(cuda_impl *c, cudaError_t r, const char *what, const char *file, int line) {
+bool pd_cuda_ck(cuda_impl *c, cudaError_t r, const char *what, const char *file, int line) {
   if (r == cudaSuccess) return true;
-  record(c, "%s:%d: %s: %s", file, line, what, cudaGetErrorString(r));
+  pd_cuda_record(c, "%s:%d: %s: %s", file, line, what, cudaGetErrorString(r));
   return false;
 }
-bool ckb_(cuda_impl *c, cublasStatus_t r, const char *what, const char *file, int line) {
+bool pd_cuda_ckb(cuda_impl *c, cublasStatus_t r, const char *what, const char *file, int line) {
   if (r == CUBLAS_STATUS_SUCCESS) return true;
-  record(c, "%s:%d: %s: cuBLAS status %d", file, line, what, (int)r);
+  pd_cuda_record(c, "%s:%d: %s: cuBLAS status %d", file, line, what, (int)r);
   return false;
 }
-#define CK(c, call) ck_((c), (call), #call, __FILE__, __LINE__)
-#define CKB(c, call) ckb_((c), (call), #call, __FILE__, __LINE__)
-/* After kernel launches: a bad configuration shows up here, a fault only at the next sync. */
-#define CK_LAUNCH(c, what) ck_((c), cudaGetLastError(), what, __FILE__, __LINE__)
 
-/* Makes the backend's device current on this thread (cached per thread). */
-thread_local int tl_dev = -1;
-void use_device(cuda_impl *c) {
+void pd_cuda_use_device(cuda_impl *c) {
   if (tl_dev != c->dev) {
     CK(c, cudaSetDevice(c->dev));
     tl_dev = c->dev;
   }
 }
 
-bool float_dtype(pd_dtype t) {
-  return t == PD_DTYPE_F32 || t == PD_DTYPE_F16 || t == PD_DTYPE_BF16;
-}
-
-/* Grows a device buffer to at least `bytes` (25% headroom). Only runs when a call needs more than
- * any before it: waits for the stream (the old buffer may be in use), then reallocates. Running
- * out of device memory for scratch is fatal, as in the CPU backend. */
-void grow(cuda_impl *c, void **buf, size_t *size, size_t bytes) {
+void pd_cuda_grow(cuda_impl *c, void **buf, size_t *size, size_t bytes) {
   if (bytes <= *size) return;
+  PD_ASSERT(!c->capturing && "cuda backend: scratch must not grow during a graph capture");
   bytes += bytes / 4;
   CK(c, cudaStreamSynchronize(c->st));
   CK(c, cudaFree(*buf));
@@ -101,6 +81,8 @@ void grow(cuda_impl *c, void **buf, size_t *size, size_t bytes) {
   }
   *size = bytes;
 }
+
+namespace {
 
 /* ---- memory ------------------------------------------------------------------------------- */
 
@@ -428,6 +410,7 @@ void cu_destroy(pd_backend *be) {
     cudaFree(c->xconv);
     cudaFree(c->attn_ws);
     cudaFree(c->tiles);
+    pd_cuda_free_extras(c);
     for (int i = 0; i < 2; i++) {
       if (c->pin[i]) cudaFreeHost(c->pin[i]);
       if (c->pin_ev[i]) cudaEventDestroy(c->pin_ev[i]);
@@ -439,6 +422,14 @@ void cu_destroy(pd_backend *be) {
 }
 
 } // namespace
+
+void pd_cuda_free_extras(cuda_impl *c) {
+  cudaFree(c->smp_dev);
+  if (c->smp_host) cudaFreeHost(c->smp_host);
+  cudaFree(c->stage_dev);
+  c->smp_dev = c->smp_host = c->stage_dev = NULL;
+  c->smp_dev_size = c->smp_host_size = c->stage_dev_size = 0;
+}
 
 extern "C" int pd_cuda_device_count(void) {
   int n = 0;
@@ -503,6 +494,9 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   be->ops.get_rows = cu_get_rows;
   be->ops.add = cu_add;
   be->ops.destroy = cu_destroy;
+  pd_cuda_register_sample(be);
+  pd_cuda_register_kvstage(be);
+  pd_cuda_register_graph(be);
   c->dev = dev;
   c->n_sm = prop.multiProcessorCount;
 

@@ -46,6 +46,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "pd/backend.h"
 #include "pd/status.h"
 
 #ifdef __cplusplus
@@ -195,6 +196,17 @@ uint64_t pd_sampler_seed(const pd_sampler *s);          /* the effective seed */
 int32_t pd_sampler_n_generated(const pd_sampler *s);    /* output tokens accepted */
 int32_t pd_sampler_vocab(const pd_sampler *s);
 const pd_sampling_params *pd_sampler_params(const pd_sampler *s); /* arrays point to copies */
+
+/* ---- device sampling ---- */
+
+/* Describes the sequence's next draw for a backend's `sample` op (pd/backend.h): fills *spec
+ * (everything but row and edit_begin; u is pd_sampler_uniform on PD_RNG_LANE_SAMPLE; n_top is
+ * -1 without logprobs, else max(0, params.logprobs)) and writes the row's edits (min_tokens
+ * suppression, logit_bias, penalties; one entry per distinct id) to edits[0 .. cap). Returns
+ * the number of edits the row needs, which may exceed cap: then call again with more room.
+ * Reads the state only (like pd_sample_token, it does not advance it). */
+int32_t pd_sampler_dev_spec(const pd_sampler *s, pd_dev_sample_spec *spec,
+                            pd_dev_sample_edit *edits, int32_t cap);
 
 /* ---- random numbers ---- */
 

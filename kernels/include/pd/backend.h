@@ -58,6 +58,54 @@ typedef struct pd_attn_batch {
   int max_ctx_len;            /* max over ctx_len (host-side hint for work splitting) */
 } pd_attn_batch;
 
+/* ---- device sampling (the optional `sample` op) ----
+ * One row of logits sampled on the device with the pipeline of pd/sample.h, steps 1-5:
+ * sparse edits (min_tokens suppression, logit_bias, repetition / frequency / presence
+ * penalties, in that order and arithmetic), then greedy argmax (ties to the lowest id) or
+ * temperature, min_p, top_k (ties at the boundary kept), top_p (smallest descending prefix
+ * whose renormalised mass reaches top_p; equal values ordered by id) and one inverse-CDF draw
+ * with the given uniform over the kept tokens in id order. Logprobs are of the RAW row
+ * (log_softmax of the unedited logits), with the rank and the n_top most likely tokens
+ * (descending, ties by lower id), as pd_logprobs_compute. */
+#define PD_DEV_SAMPLE_MAX_TOP 20
+
+enum {
+  PD_DEV_EDIT_SUPPRESS = 1, /* min_tokens: the logit becomes -inf */
+  PD_DEV_EDIT_BIAS = 2,     /* logit += bias */
+  PD_DEV_EDIT_SEEN = 4      /* in the prompt or the output: the repetition penalty applies */
+};
+
+typedef struct pd_dev_sample_edit {
+  int32_t id;     /* token id; unique within one row's edits */
+  uint32_t flags; /* PD_DEV_EDIT_* */
+  float bias;     /* with PD_DEV_EDIT_BIAS */
+  int32_t count;  /* occurrences in the output: frequency and presence penalties when > 0 */
+} pd_dev_sample_edit;
+
+typedef struct pd_dev_sample_spec {
+  int32_t row;          /* logits row to sample */
+  int32_t top_k;        /* <= 0 or >= vocab: off */
+  float temperature;    /* < 1e-5 (PD_SAMPLE_GREEDY_EPS): greedy */
+  float top_p;          /* (0, 1]; 1 = off */
+  float min_p;          /* [0, 1]; 0 = off */
+  float rep_penalty;    /* 1 = off */
+  float freq_penalty;   /* 0 = off */
+  float pres_penalty;   /* 0 = off */
+  double u;             /* the draw's uniform in [0, 1) (unused when greedy) */
+  int32_t n_top;        /* -1: no logprobs; 0..20: logprob and rank of the token + n_top */
+  int32_t edit_begin;   /* this row's edits: edits[edit_begin, edit_begin + edit_count) */
+  int32_t edit_count;
+} pd_dev_sample_spec;
+
+typedef struct pd_dev_sample_out {
+  int32_t token;   /* -1: the row had no finite logit after the edits, or a +inf */
+  float logprob;   /* raw log-probability of token (when n_top >= 0) */
+  int32_t rank;    /* 1 + tokens with a strictly larger raw logit; NaN counts as -inf */
+  int32_t n_top;
+  int32_t top_id[PD_DEV_SAMPLE_MAX_TOP];
+  float top_logprob[PD_DEV_SAMPLE_MAX_TOP];
+} pd_dev_sample_out;
+
 typedef struct pd_backend_ops {
   const char *name;
 
@@ -121,6 +169,49 @@ typedef struct pd_backend_ops {
 
   /* Optional (may be NULL): releases the backend. */
   void (*destroy)(pd_backend *be);
+
+  /* ---- optional extensions (NULL where a backend does not have them) ---- */
+
+  /* Samples n rows of logits [rows, vocab] (backend memory) on the device. specs [n], edits
+   * [n_edits] and out [n] are HOST memory; returns when out is filled. Every row's edits must
+   * have unique ids in [0, vocab). */
+  void (*sample)(pd_backend *be, pd_dev_sample_out *out, const float *logits, int vocab,
+                 const pd_dev_sample_spec *specs, int n, const pd_dev_sample_edit *edits,
+                 int n_edits);
+
+  /* KV staging for transfers between nodes. Segment i lives at
+   * (char *)base + ids[i] * stride + offset in backend memory and at host + i * seg_bytes;
+   * ids are HOST memory. gather copies the n segments to the host and returns when they are
+   * there; scatter copies them from the host and returns when the host buffer may be reused. */
+  void (*kv_gather)(pd_backend *be, void *host, const void *base, const int32_t *ids, int n,
+                    size_t stride, size_t offset, size_t seg_bytes);
+  void (*kv_scatter)(pd_backend *be, void *base, const void *host, const int32_t *ids, int n,
+                     size_t stride, size_t offset, size_t seg_bytes);
+
+  /* Page-locked host memory (faster, asynchronous copies); NULL on failure. */
+  void *(*host_alloc)(pd_backend *be, size_t bytes);
+  void (*host_free)(pd_backend *be, void *p);
+
+  /* Graphs: the ops queued between capture_begin and capture_end (which must not include
+   * to_host, sync, alloc or free) are recorded, not run; graph_launch replays them with the
+   * same pointers and sizes (buffer contents may change between replays). capture_end returns
+   * NULL when capture failed (the backend stays usable). */
+  bool (*capture_begin)(pd_backend *be);
+  void *(*capture_end)(pd_backend *be);
+  bool (*graph_launch)(pd_backend *be, void *graph);
+  void (*graph_free)(pd_backend *be, void *graph);
+
+  /* Fused decode-path ops (the engine falls back to the separate ops when NULL).
+   * act[M,F] = silu(x W_g^T + b_g) * (x W_u^T + b_u) with w = [W_g; W_u] ([2F, K], wdt) and
+   * bias = [b_g; b_u] or NULL; gu [M, 2F] is scratch the op may use. */
+  void (*matmul_glu)(pd_backend *be, float *act, float *gu, const float *x, const void *w,
+                     pd_dtype wdt, const float *bias, int M, int F, int K);
+  /* qkv [M, (n_q_heads + 2 n_kv_heads) * head_dim] rows = [q | k | v]: RoPE on q and k (as
+   * `rope`), q written to q_out [M, n_q_heads, head_dim], k and v written to the cache slots
+   * (as `kv_write`; a negative slot skips the row). */
+  void (*rope_kv_write)(pd_backend *be, float *q_out, const float *qkv, const int32_t *pos,
+                        const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *shape,
+                        const int32_t *slots, int M, int n_q_heads);
 } pd_backend_ops;
 
 struct pd_backend {

@@ -1,0 +1,63 @@
+/* The CUDA backend's state and the glue every op file shares: error recording (sticky, first
+ * failure kept), the current-device cache, scratch growth. Included by cuda_backend.cu (the ops
+ * table) and by the files that implement further ops (sampling, KV staging, graphs). C++ only. */
+#ifndef PD_CUDA_STATE_H
+#define PD_CUDA_STATE_H
+
+#include <cublas_v2.h>
+
+#include "cuda_internal.h"
+
+struct cuda_impl {
+  int dev;
+  int n_sm;
+  cudaStream_t st;
+  cublasHandle_t blas;
+  void *blas_ws;
+  void *xconv; /* [M, K] bf16 or f16 copy of x for cuBLAS */
+  size_t xconv_size;
+  float *attn_ws; /* split partials: outputs then (max, sum) pairs */
+  size_t attn_ws_size;
+  int32_t *tiles;
+  int tiles_cap;
+  void *pin[2];
+  cudaEvent_t pin_ev[2];
+  bool capturing; /* a graph capture is open on st: nothing may sync or grow */
+  /* device sampling (cuda_sample.cu) */
+  void *smp_dev;   /* specs, edits, outputs, scratch on the device */
+  size_t smp_dev_size;
+  void *smp_host;  /* pinned mirror of specs, edits, outputs */
+  size_t smp_host_size;
+  /* KV staging (cuda_kvstage.cu) */
+  void *stage_dev;
+  size_t stage_dev_size;
+  pd_status status; /* first failure, sticky */
+  char msg[PD_ERR_MSG_MAX];
+};
+
+inline cuda_impl *impl_of(pd_backend *be) { return static_cast<cuda_impl *>(be->impl); }
+
+/* Records the first failure (and prints it); later ones are dropped. */
+void pd_cuda_record(cuda_impl *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+bool pd_cuda_ck(cuda_impl *c, cudaError_t r, const char *what, const char *file, int line);
+bool pd_cuda_ckb(cuda_impl *c, cublasStatus_t r, const char *what, const char *file, int line);
+#define CK(c, call) pd_cuda_ck((c), (call), #call, __FILE__, __LINE__)
+#define CKB(c, call) pd_cuda_ckb((c), (call), #call, __FILE__, __LINE__)
+/* After kernel launches: a bad configuration shows up here, a fault only at the next sync. */
+#define CK_LAUNCH(c, what) pd_cuda_ck((c), cudaGetLastError(), what, __FILE__, __LINE__)
+
+/* Makes the backend's device current on this thread (cached per thread). */
+void pd_cuda_use_device(cuda_impl *c);
+
+/* Grows a device buffer to at least `bytes` (25% headroom), after a stream sync; fatal when the
+ * device is out of memory. Must not run during a graph capture. */
+void pd_cuda_grow(cuda_impl *c, void **buf, size_t *size, size_t bytes);
+
+/* Ops implemented outside cuda_backend.cu, registered by pd_backend_cuda_create. */
+void pd_cuda_register_sample(pd_backend *be);  /* cuda_sample.cu */
+void pd_cuda_register_kvstage(pd_backend *be); /* cuda_kvstage.cu */
+void pd_cuda_register_graph(pd_backend *be);   /* cuda_graph.cu */
+/* Frees what those files allocated in cuda_impl (called by destroy after a stream sync). */
+void pd_cuda_free_extras(cuda_impl *c);
+
+#endif
