@@ -19,8 +19,18 @@ typedef struct eng_layer {
   float *bgu, *bdown;          /* f32 or NULL; bgu = [b_gate; b_up] */
   int window;                  /* sliding window of this layer, 0 = none */
   const void *wq, *wk, *wv, *wo, *wgu, *wdown;
+  const void *wqkv; /* [wq; wk; wv] when the backend fuses RoPE with the KV write, else NULL */
+  float *bqkv;      /* [bq; bk; bv] (zeros where absent) or NULL */
   pd_kv_layer kv;
 } eng_layer;
+
+/* A recorded decode step: B sequences (padded), block tables mbw wide. */
+typedef struct eng_graph {
+  int B, mbw;
+  void *exec; /* NULL: capture failed for this shape; run it eagerly */
+} eng_graph;
+
+#define ENG_MAX_GRAPHS 96
 
 struct pd_engine {
   const pd_model *m;
@@ -37,8 +47,18 @@ struct pd_engine {
   int n_owned, cap_owned;
   /* activations [max_batch_tokens, ...] */
   float *x, *xn, *q, *k, *v, *attn, *gu, *act, *sel, *logits;
+  float *qkv; /* [T, qd + 2 kd] with fused QKV */
   /* metadata on the backend */
   int32_t *d_tokens, *d_pos, *d_slots, *d_qstart, *d_ctx, *d_bt, *d_rows;
+  int max_blocks; /* block-table capacity per sequence */
+  /* graphs of decode steps (backends with capture), and the host staging of their padded
+   * metadata */
+  bool use_graphs;
+  eng_graph graphs[ENG_MAX_GRAPHS];
+  int n_graphs;
+  uint64_t replays;
+  int32_t *h_meta; /* tokens, pos, slots, rows [B each], qstart [B + 1], ctx [B], bt [B, mbw] */
+  size_t h_meta_n;
 };
 
 void pd_engine_opts_default(pd_engine_opts *o) {
@@ -91,16 +111,50 @@ static float *upload_f32(pd_engine *g, const pd_weight *w, pd_err *e) {
 }
 
 /* A big weight, in its stored dtype: used in place on host backends, uploaded otherwise.
- * When `b` is given, returns the row-concatenation [a; b] (both must share dtype and cols). */
-static const void *place_weight(pd_engine *g, const pd_weight *a, const pd_weight *b, pd_err *e) {
-  size_t es = pd_dtype_size(a->dtype);
-  size_t na = (size_t)a->rows * (size_t)a->cols * es;
-  size_t nb = b ? (size_t)b->rows * (size_t)b->cols * es : 0;
-  if (!b && g->be->host_memory) return a->data;
-  char *d = eng_alloc(g, na + nb, e);
+ * With several parts, returns their row-concatenation (all share dtype and cols). */
+static const void *place_weights(pd_engine *g, const pd_weight *const *parts, int n, pd_err *e) {
+  if (n == 1 && g->be->host_memory) return parts[0]->data;
+  size_t es = pd_dtype_size(parts[0]->dtype), total = 0;
+  for (int i = 0; i < n; i++) total += (size_t)parts[i]->rows * (size_t)parts[i]->cols * es;
+  char *d = eng_alloc(g, total, e);
   if (!d) return NULL;
-  g->be->ops.to_device(g->be, d, a->data, na);
-  if (b) g->be->ops.to_device(g->be, d + na, b->data, nb);
+  if (g->be->host_memory) { /* concatenation in host memory */
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+      size_t nb = (size_t)parts[i]->rows * (size_t)parts[i]->cols * es;
+      memcpy(d + off, parts[i]->data, nb);
+      off += nb;
+    }
+    return d;
+  }
+  size_t off = 0;
+  for (int i = 0; i < n; i++) {
+    size_t nb = (size_t)parts[i]->rows * (size_t)parts[i]->cols * es;
+    g->be->ops.to_device(g->be, d + off, parts[i]->data, nb);
+    off += nb;
+  }
+  return d;
+}
+
+static const void *place_weight(pd_engine *g, const pd_weight *a, const pd_weight *b, pd_err *e) {
+  const pd_weight *parts[2] = {a, b};
+  return place_weights(g, parts, b ? 2 : 1, e);
+}
+
+/* [bq; bk; bv] as f32 on the backend, zeros for the absent ones. */
+static float *upload_qkv_bias(pd_engine *g, const pd_layer_weights *w, int qd, int kd, pd_err *e) {
+  float *tmp = calloc((size_t)(qd + 2 * kd), sizeof *tmp);
+  if (!tmp) {
+    pd_err_set(e, PD_ENOMEM, "out of host memory");
+    return NULL;
+  }
+  const pd_weight *b[3] = {&w->bq, &w->bk, &w->bv};
+  const int off[3] = {0, qd, qd + kd}, len[3] = {qd, kd, kd};
+  for (int i = 0; i < 3; i++)
+    if (b[i]->data) pd_convert_to_f32(tmp + off[i], b[i]->data, b[i]->dtype, (size_t)len[i]);
+  float *d = eng_alloc(g, (size_t)(qd + 2 * kd) * sizeof *d, e);
+  if (d) g->be->ops.to_device(g->be, d, tmp, (size_t)(qd + 2 * kd) * sizeof *d);
+  free(tmp);
   return d;
 }
 
@@ -178,13 +232,25 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
       pd_err_set(e, PD_EUNSUPPORTED, "layer %d: gate and up projections differ in dtype", l);
       goto fail;
     }
-    L->wq = place_weight(g, &w->wq, NULL, e);
-    L->wk = place_weight(g, &w->wk, NULL, e);
-    L->wv = place_weight(g, &w->wv, NULL, e);
+    const bool fuse = be->ops.rope_kv_write && w->wq.dtype == w->wk.dtype &&
+                      w->wq.dtype == w->wv.dtype;
+    if (fuse) {
+      const pd_weight *qkv[3] = {&w->wq, &w->wk, &w->wv};
+      L->wqkv = place_weights(g, qkv, 3, e);
+      if (!L->wqkv) goto fail;
+      if ((w->bq.data || w->bk.data || w->bv.data) &&
+          !(L->bqkv = upload_qkv_bias(g, w, g->nq * g->hd, g->nkv * g->hd, e)))
+        goto fail;
+    } else {
+      L->wq = place_weight(g, &w->wq, NULL, e);
+      L->wk = place_weight(g, &w->wk, NULL, e);
+      L->wv = place_weight(g, &w->wv, NULL, e);
+      if (!L->wq || !L->wk || !L->wv) goto fail;
+    }
     L->wo = place_weight(g, &w->wo, NULL, e);
     L->wgu = place_weight(g, &w->w_gate, &w->w_up, e);
     L->wdown = place_weight(g, &w->w_down, NULL, e);
-    if (!L->wq || !L->wk || !L->wv || !L->wo || !L->wgu || !L->wdown) goto fail;
+    if (!L->wo || !L->wgu || !L->wdown) goto fail;
     L->kv.k = eng_alloc(g, kv_bytes, e);
     L->kv.v = eng_alloc(g, kv_bytes, e);
     if (!L->kv.k || !L->kv.v) goto fail;
@@ -217,6 +283,7 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
   ALLOC_F(g->act, T * (size_t)g->F);
   ALLOC_F(g->sel, T * g->D);
   ALLOC_F(g->logits, T * (size_t)g->V);
+  if (g->layers[0].wqkv) ALLOC_F(g->qkv, T * (qd + 2 * kd));
 #undef ALLOC_F
 #define ALLOC_I(ptr, n) \
   if (!((ptr) = eng_alloc(g, (n) * sizeof(int32_t), e))) goto fail
@@ -228,6 +295,9 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
   ALLOC_I(g->d_ctx, (size_t)g->o.max_seqs);
   ALLOC_I(g->d_bt, (size_t)g->o.max_seqs * (size_t)max_blocks);
 #undef ALLOC_I
+  g->max_blocks = max_blocks;
+  g->use_graphs = !g->o.enforce_eager && be->ops.capture_begin && be->ops.capture_end &&
+                  be->ops.graph_launch && be->ops.graph_free;
   return g;
 fail:
   pd_engine_free(g);
@@ -236,6 +306,9 @@ fail:
 
 void pd_engine_free(pd_engine *g) {
   if (!g) return;
+  for (int i = 0; i < g->n_graphs; i++)
+    if (g->graphs[i].exec) g->be->ops.graph_free(g->be, g->graphs[i].exec);
+  free(g->h_meta);
   for (int i = 0; i < g->n_owned; i++) g->be->ops.free(g->be, g->owned[i]);
   free(g->owned);
   free(g->layers);
@@ -289,28 +362,49 @@ static pd_status validate(const pd_engine *g, const pd_batch *b, pd_err *e) {
   return PD_OK;
 }
 
-pd_status pd_engine_forward(pd_engine *g, const pd_batch *b, float *logits, pd_err *e) {
-  pd_status st = validate(g, b, e);
-  if (st != PD_OK) return st;
+bool pd_engine_can_sample(const pd_engine *g) {
+  return g->be->ops.sample != NULL && !g->o.no_device_sampling;
+}
+
+void pd_engine_graph_stats(const pd_engine *g, uint64_t *replays, int *n_graphs) {
+  if (replays) *replays = g->replays;
+  if (n_graphs) {
+    int n = 0;
+    for (int i = 0; i < g->n_graphs; i++) n += g->graphs[i].exec != NULL;
+    *n_graphs = n;
+  }
+}
+
+static pd_status validate_sampling(const pd_engine *g, const pd_batch *b, pd_err *e) {
+  if (b->n_sample == 0) return PD_OK;
+  if (!pd_engine_can_sample(g))
+    return pd_err_set(e, PD_EUNSUPPORTED, "backend %s cannot sample on the device",
+                      g->be->ops.name);
+  if (b->n_sample < 0 || b->n_sample > b->n_logits || !b->sample || !b->sample_out ||
+      b->n_edits < 0 || (b->n_edits > 0 && !b->edits))
+    return pd_err_set(e, PD_EINVAL, "%d device-sampled rows of %d logit rows", b->n_sample,
+                      b->n_logits);
+  for (int i = 0; i < b->n_sample; i++) {
+    const pd_dev_sample_spec *sp = &b->sample[i];
+    if (sp->edit_count < 0 || sp->edit_begin < 0 || sp->edit_begin > b->n_edits ||
+        sp->edit_count > b->n_edits - sp->edit_begin || sp->n_top > PD_DEV_SAMPLE_MAX_TOP)
+      return pd_err_set(e, PD_EINVAL, "device sample %d: bad edit range or n_top", i);
+  }
+  for (int i = 0; i < b->n_edits; i++)
+    if (b->edits[i].id < 0 || b->edits[i].id >= g->V)
+      return pd_err_set(e, PD_EINVAL, "sampling edit of token %d outside the vocabulary",
+                        b->edits[i].id);
+  return PD_OK;
+}
+
+/* The layers, the final norm and the LM head over the metadata already on the backend. */
+static void run_model(pd_engine *g, int M, int n_seqs, int max_blocks, int max_ctx,
+                      int n_logits) {
   pd_backend *be = g->be;
   const pd_model_config *c = &g->m->cfg;
-  const int M = b->n_tokens, D = g->D, F = g->F, hd = g->hd;
+  const int D = g->D, F = g->F, hd = g->hd;
   const int qd = g->nq * hd, kd = g->nkv * hd;
-  const size_t i32 = sizeof(int32_t);
-
-  be->ops.to_device(be, g->d_tokens, b->tokens, (size_t)M * i32);
-  be->ops.to_device(be, g->d_pos, b->positions, (size_t)M * i32);
-  be->ops.to_device(be, g->d_slots, b->slots, (size_t)M * i32);
-  be->ops.to_device(be, g->d_qstart, b->q_start, (size_t)(b->n_seqs + 1) * i32);
-  be->ops.to_device(be, g->d_ctx, b->ctx_len, (size_t)b->n_seqs * i32);
-  be->ops.to_device(be, g->d_bt, b->block_tables, (size_t)b->n_seqs * b->max_blocks * i32);
-  if (b->n_logits > 0)
-    be->ops.to_device(be, g->d_rows, b->logit_rows, (size_t)b->n_logits * i32);
-
-  int max_ctx = 0;
-  for (int s = 0; s < b->n_seqs; s++)
-    if (b->ctx_len[s] > max_ctx) max_ctx = b->ctx_len[s];
-  pd_attn_batch ab = {b->n_seqs, M, g->d_qstart, g->d_ctx, g->d_bt, b->max_blocks, max_ctx};
+  pd_attn_batch ab = {n_seqs, M, g->d_qstart, g->d_ctx, g->d_bt, max_blocks, max_ctx};
   const float scale = 1.0f / sqrtf((float)hd);
   const float eps = (float)c->rms_norm_eps;
 
@@ -322,27 +416,155 @@ pd_status pd_engine_forward(pd_engine *g, const pd_batch *b, float *logits, pd_e
       be->ops.rmsnorm(be, g->xn, g->x, L->attn_norm, eps, M, D);
     else /* x += the previous layer's MLP output (in act's slot `sel`), then normalise */
       be->ops.add_rmsnorm(be, g->xn, g->x, g->sel, L->attn_norm, eps, M, D);
-    be->ops.matmul(be, g->q, g->xn, L->wq, W->wq.dtype, L->bq, M, qd, D);
-    be->ops.matmul(be, g->k, g->xn, L->wk, W->wk.dtype, L->bk, M, kd, D);
-    be->ops.matmul(be, g->v, g->xn, L->wv, W->wv.dtype, L->bv, M, kd, D);
-    be->ops.rope(be, g->q, g->k, g->d_pos, g->inv_freq, M, g->nq, g->nkv, hd);
-    be->ops.kv_write(be, &L->kv, &g->kvs, g->k, g->v, g->d_slots, M);
+    if (L->wqkv) {
+      be->ops.matmul(be, g->qkv, g->xn, L->wqkv, W->wq.dtype, L->bqkv, M, qd + 2 * kd, D);
+      be->ops.rope_kv_write(be, g->q, g->qkv, g->d_pos, g->inv_freq, &L->kv, &g->kvs, g->d_slots,
+                            M, g->nq);
+    } else {
+      be->ops.matmul(be, g->q, g->xn, L->wq, W->wq.dtype, L->bq, M, qd, D);
+      be->ops.matmul(be, g->k, g->xn, L->wk, W->wk.dtype, L->bk, M, kd, D);
+      be->ops.matmul(be, g->v, g->xn, L->wv, W->wv.dtype, L->bv, M, kd, D);
+      be->ops.rope(be, g->q, g->k, g->d_pos, g->inv_freq, M, g->nq, g->nkv, hd);
+      be->ops.kv_write(be, &L->kv, &g->kvs, g->k, g->v, g->d_slots, M);
+    }
     be->ops.attention(be, g->attn, g->q, &L->kv, &g->kvs, &ab, g->nq, scale, L->window);
     be->ops.matmul(be, g->sel, g->attn, L->wo, W->wo.dtype, L->bo, M, D, qd);
     be->ops.add_rmsnorm(be, g->xn, g->x, g->sel, L->ffn_norm, eps, M, D);
-    be->ops.matmul(be, g->gu, g->xn, L->wgu, W->w_gate.dtype, L->bgu, M, 2 * F, D);
-    be->ops.swiglu(be, g->act, g->gu, M, F);
+    if (be->ops.matmul_glu) {
+      be->ops.matmul_glu(be, g->act, g->gu, g->xn, L->wgu, W->w_gate.dtype, L->bgu, M, F, D);
+    } else {
+      be->ops.matmul(be, g->gu, g->xn, L->wgu, W->w_gate.dtype, L->bgu, M, 2 * F, D);
+      be->ops.swiglu(be, g->act, g->gu, M, F);
+    }
     be->ops.matmul(be, g->sel, g->act, L->wdown, W->w_down.dtype, L->bdown, M, D, F);
   }
   be->ops.add(be, g->x, g->sel, (size_t)M * D);
-  if (b->n_logits > 0) {
+  if (n_logits > 0) {
     /* final norm and LM head only on the rows asked for */
-    be->ops.get_rows(be, g->xn, g->x, g->d_rows, b->n_logits, D);
-    be->ops.rmsnorm(be, g->xn, g->xn, g->final_norm, eps, b->n_logits, D);
-    be->ops.matmul(be, g->logits, g->xn, g->lm_head, g->m->lm_head.dtype, NULL, b->n_logits,
-                   g->V, D);
-    be->ops.to_host(be, logits, g->logits, (size_t)b->n_logits * g->V * sizeof(float));
+    be->ops.get_rows(be, g->xn, g->x, g->d_rows, n_logits, D);
+    be->ops.rmsnorm(be, g->xn, g->xn, g->final_norm, eps, n_logits, D);
+    be->ops.matmul(be, g->logits, g->xn, g->lm_head, g->m->lm_head.dtype, NULL, n_logits, g->V,
+                   D);
   }
+}
+
+/* Padded batch sizes that decode steps are recorded for. */
+static int graph_bucket(const pd_engine *g, int n) {
+  static const int sizes[] = {1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128,
+                              144, 160, 176, 192, 208, 224, 240, 256, 320, 384, 448, 512};
+  int cap = g->o.max_seqs < g->o.max_batch_tokens ? g->o.max_seqs : g->o.max_batch_tokens;
+  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+    if (sizes[i] >= n) return sizes[i] <= cap ? sizes[i] : -1;
+  return -1;
+}
+
+/* A decode step (one new token per sequence) through a recorded graph: the batch is padded to
+ * B sequences (token 0 at position 0, no cache write, a context of one token in block 0; their
+ * outputs are ignored) and its block tables to mbw columns, so that one recording serves every
+ * step of that shape. Returns false when the step cannot use a graph. */
+static bool forward_graph(pd_engine *g, const pd_batch *b) {
+  const int n = b->n_seqs, B = graph_bucket(g, n);
+  if (B < 0) return false;
+  int mbw = 8;
+  while (mbw < b->max_blocks) mbw *= 2;
+  if (mbw > g->max_blocks) mbw = g->max_blocks;
+  eng_graph *gr = NULL;
+  for (int i = 0; i < g->n_graphs; i++)
+    if (g->graphs[i].B == B && g->graphs[i].mbw == mbw) gr = &g->graphs[i];
+  if (gr && !gr->exec) return false; /* capture failed before: eager */
+  if (!gr && g->n_graphs == ENG_MAX_GRAPHS) return false;
+
+  size_t need = (size_t)5 * B + 1 + (size_t)B * mbw;
+  if (need > g->h_meta_n) {
+    int32_t *p = realloc(g->h_meta, need * sizeof *p);
+    if (!p) return false;
+    g->h_meta = p;
+    g->h_meta_n = need;
+  }
+  int32_t *tok = g->h_meta, *pos = tok + B, *slot = pos + B, *rows = slot + B, *qs = rows + B,
+          *ctx = qs + B + 1, *bt = ctx + B;
+  for (int i = 0; i < B; i++) {
+    const bool real = i < n;
+    tok[i] = real ? b->tokens[i] : 0;
+    pos[i] = real ? b->positions[i] : 0;
+    slot[i] = real ? b->slots[i] : -1;
+    rows[i] = i < b->n_logits ? b->logit_rows[i] : 0;
+    qs[i] = i;
+    ctx[i] = real ? b->ctx_len[i] : 1;
+    int32_t *r = bt + (size_t)i * mbw;
+    if (real) {
+      memcpy(r, b->block_tables + (size_t)i * b->max_blocks, (size_t)b->max_blocks * sizeof *r);
+      for (int j = b->max_blocks; j < mbw; j++) r[j] = 0;
+    } else {
+      memset(r, 0, (size_t)mbw * sizeof *r);
+    }
+  }
+  qs[B] = B;
+  pd_backend *be = g->be;
+  const size_t i32 = sizeof(int32_t);
+  be->ops.to_device(be, g->d_tokens, tok, (size_t)B * i32);
+  be->ops.to_device(be, g->d_pos, pos, (size_t)B * i32);
+  be->ops.to_device(be, g->d_slots, slot, (size_t)B * i32);
+  be->ops.to_device(be, g->d_rows, rows, (size_t)B * i32);
+  be->ops.to_device(be, g->d_qstart, qs, (size_t)(B + 1) * i32);
+  be->ops.to_device(be, g->d_ctx, ctx, (size_t)B * i32);
+  be->ops.to_device(be, g->d_bt, bt, (size_t)B * mbw * i32);
+  const int max_ctx = mbw * g->o.block_size;
+  if (gr) {
+    if (be->ops.graph_launch(be, gr->exec)) {
+      g->replays++;
+      return true;
+    }
+    run_model(g, B, B, mbw, max_ctx, B); /* the launch failed: the error is recorded */
+    return true;
+  }
+  /* First time for this shape: run it for real (this also sizes every scratch buffer), then
+   * record it for the next steps. */
+  run_model(g, B, B, mbw, max_ctx, B);
+  gr = &g->graphs[g->n_graphs++];
+  gr->B = B;
+  gr->mbw = mbw;
+  gr->exec = NULL;
+  be->ops.sync(be);
+  if (be->ops.capture_begin(be)) {
+    run_model(g, B, B, mbw, max_ctx, B);
+    gr->exec = be->ops.capture_end(be);
+  }
+  return true;
+}
+
+pd_status pd_engine_forward(pd_engine *g, const pd_batch *b, float *logits, pd_err *e) {
+  pd_status st = validate(g, b, e);
+  if (st == PD_OK) st = validate_sampling(g, b, e);
+  if (st != PD_OK) return st;
+  pd_backend *be = g->be;
+  const int M = b->n_tokens;
+  const size_t i32 = sizeof(int32_t);
+
+  bool done = false;
+  if (g->use_graphs && b->n_tokens == b->n_seqs) done = forward_graph(g, b);
+  if (!done) {
+    be->ops.to_device(be, g->d_tokens, b->tokens, (size_t)M * i32);
+    be->ops.to_device(be, g->d_pos, b->positions, (size_t)M * i32);
+    be->ops.to_device(be, g->d_slots, b->slots, (size_t)M * i32);
+    be->ops.to_device(be, g->d_qstart, b->q_start, (size_t)(b->n_seqs + 1) * i32);
+    be->ops.to_device(be, g->d_ctx, b->ctx_len, (size_t)b->n_seqs * i32);
+    be->ops.to_device(be, g->d_bt, b->block_tables, (size_t)b->n_seqs * b->max_blocks * i32);
+    if (b->n_logits > 0)
+      be->ops.to_device(be, g->d_rows, b->logit_rows, (size_t)b->n_logits * i32);
+    int max_ctx = 0;
+    for (int s = 0; s < b->n_seqs; s++)
+      if (b->ctx_len[s] > max_ctx) max_ctx = b->ctx_len[s];
+    run_model(g, M, b->n_seqs, b->max_blocks, max_ctx, b->n_logits);
+  }
+  const int n_host = b->n_logits - b->n_sample;
+  if (b->n_sample > 0) {
+    for (int i = 0; i < b->n_sample; i++) b->sample[i].row = n_host + i;
+    be->ops.sample(be, b->sample_out, g->logits, g->V, b->sample, b->n_sample, b->edits,
+                   b->n_edits);
+  }
+  if (n_host > 0)
+    be->ops.to_host(be, logits, g->logits, (size_t)n_host * g->V * sizeof(float));
   be->ops.sync(be);
   return PD_OK;
 }

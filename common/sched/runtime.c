@@ -35,6 +35,10 @@ int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap) {
        "longest context (default: the model's)", NULL},
       {"no-prefix-cache", PD_OPT_BOOL, &o->no_prefix_cache, NULL, "disable prefix caching",
        NULL},
+      {"enforce-eager", PD_OPT_BOOL, &o->enforce_eager, NULL,
+       "GPU: run every step op by op (no CUDA graphs)", NULL},
+      {"no-device-sampling", PD_OPT_BOOL, &o->no_device_sampling, NULL,
+       "GPU: sample on the host instead of the device", NULL},
   };
   int n = (int)(sizeof t / sizeof t[0]);
   if (n + 1 > cap) return -1;
@@ -113,7 +117,7 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
     rt->be->ops.mem_info(rt->be, &free_b, &total_b);
     for (size_t i = 0; i < pd_st_count(rt->model->st); i++) weights += pd_st_at(rt->model->st, i)->nbytes;
     size_t acts = (size_t)o->max_batch_tokens *
-                  ((size_t)c->vocab_size + 8 * (size_t)c->hidden_size + 3 * (size_t)c->intermediate_size) *
+                  ((size_t)c->vocab_size + 10 * (size_t)c->hidden_size + 3 * (size_t)c->intermediate_size) *
                   sizeof(float);
     double want = o->gpu_memory_utilization * (double)total_b - (double)(total_b - free_b) -
                   (double)weights - (double)acts - (double)(256u << 20);
@@ -141,6 +145,8 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
   eo.max_seqs = o->max_seqs;
   eo.max_model_len = max_len;
   eo.kv_dtype = kv_dt;
+  eo.enforce_eager = o->enforce_eager;
+  eo.no_device_sampling = o->no_device_sampling;
   rt->eng = pd_engine_create(rt->model, rt->be, &eo, e);
   if (!rt->eng) goto fail;
   pd_kv_pool_opts po = {.num_blocks = num_blocks, .block_size = o->block_size,

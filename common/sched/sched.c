@@ -15,6 +15,7 @@ typedef struct sseq {
   /* this step */
   int n_new;         /* tokens scheduled */
   int sample_row;    /* row in the step's logits, or -1 */
+  int dev_row;       /* index of its device-sampling spec this step, or -1 (host sampling) */
   int lp_row0;       /* first prompt-logprob row, or -1 */
   int lp_pos0, lp_count; /* prompt positions covered by those rows */
 } sseq;
@@ -61,6 +62,12 @@ struct pd_sched {
   int32_t *tokens, *pos, *slots, *qstart, *ctx, *bt, *rows;
   float *logits;
   sseq **sched;
+  /* device sampling (engines that can): per-step specs, edits, results */
+  bool dev_sample;
+  pd_dev_sample_spec *specs;
+  pd_dev_sample_out *outs;
+  pd_dev_sample_edit *edits;
+  int32_t edits_cap;
   pd_sched_stats st;
   bool in_step;
 };
@@ -148,6 +155,12 @@ pd_sched *pd_sched_create(pd_engine *eng, pd_kv_pool *pool, const pd_sched_opts 
   if (!s->tokens || !s->pos || !s->slots || !s->rows || !s->qstart || !s->ctx || !s->bt ||
       !s->sched || !s->logits)
     goto oom;
+  s->dev_sample = pd_engine_can_sample(eng);
+  if (s->dev_sample) {
+    s->specs = malloc(S * sizeof *s->specs);
+    s->outs = malloc(S * sizeof *s->outs);
+    if (!s->specs || !s->outs) goto oom;
+  }
   s->ws = pd_sample_ws_new(s->V, e);
   if (!s->ws) {
     pd_sched_free(s);
@@ -194,6 +207,9 @@ void pd_sched_free(pd_sched *s) {
   free(s->bt);
   free(s->sched);
   free(s->logits);
+  free(s->specs);
+  free(s->outs);
+  free(s->edits);
   pd_sample_ws_free(s->ws);
   free(s);
 }
@@ -562,16 +578,13 @@ static pd_status fork_samples(pd_sched *s, sseq *q, sseq **forks, pd_err *e) {
   return PD_OK;
 }
 
-/* Samples, records and reports q's next token from logits row `row`. */
-static pd_status emit(pd_sched *s, sseq *q, const float *row_logits, pd_err *e) {
+/* Records and reports q's next token (sampled already, with its logprobs when asked). */
+static pd_status emit_token(pd_sched *s, sseq *q, int32_t tok, const pd_logprobs *lp,
+                            pd_err *e) {
   sreq *r = q->req;
-  float *row = (float *)row_logits; /* pd_sample_token restores it bit for bit */
-  int32_t tok;
-  pd_logprobs lp;
   bool want_lp = r->p.logprobs >= 0;
-  pd_status st = pd_sample_token(q->smp, s->ws, row, &tok, want_lp ? &lp : NULL, e);
   pd_finish_reason fin = PD_FINISH_NONE;
-  if (st == PD_OK) st = pd_sampler_accept(q->smp, tok, &fin, e);
+  pd_status st = pd_sampler_accept(q->smp, tok, &fin, e);
   if (st != PD_OK) return st;
   if (fin == PD_FINISH_NONE && pd_kv_seq_num_tokens(q->kv) + 1 >= s->max_model_len)
     fin = PD_FINISH_LENGTH;
@@ -580,7 +593,7 @@ static pd_status emit(pd_sched *s, sseq *q, const float *row_logits, pd_err *e) 
     if (st != PD_OK) return st;
   }
   pd_sched_event ev = {.id = r->id, .index = q->index, .token = tok,
-                       .logprobs = want_lp ? &lp : NULL, .finish = fin,
+                       .logprobs = want_lp ? lp : NULL, .finish = fin,
                        .num_cached_tokens = r->num_cached,
                        .block_table = pd_kv_seq_block_table(q->kv),
                        .n_blocks = pd_kv_seq_num_blocks(q->kv),
@@ -596,6 +609,57 @@ static pd_status emit(pd_sched *s, sseq *q, const float *row_logits, pd_err *e) 
   if (s->on_event) s->on_event(s->user, &ev);
   if (fin != PD_FINISH_NONE) seq_end(s, q);
   return PD_OK;
+}
+
+/* Samples q's next token on the host from logits row `row_logits`, then emit_token. */
+static pd_status emit(pd_sched *s, sseq *q, const float *row_logits, pd_err *e) {
+  float *row = (float *)row_logits; /* pd_sample_token restores it bit for bit */
+  int32_t tok;
+  pd_logprobs lp;
+  bool want_lp = q->req->p.logprobs >= 0;
+  pd_status st = pd_sample_token(q->smp, s->ws, row, &tok, want_lp ? &lp : NULL, e);
+  if (st != PD_OK) return st;
+  return emit_token(s, q, tok, want_lp ? &lp : NULL, e);
+}
+
+/* Emits q's token from its device-sampling result. */
+static pd_status emit_dev(pd_sched *s, sseq *q, const pd_dev_sample_out *o, pd_err *e) {
+  if (o->token < 0)
+    return pd_err_set(e, PD_EINVAL, "sampler: no token has a finite logit (or one is +inf)");
+  pd_logprobs lp;
+  bool want_lp = q->req->p.logprobs >= 0;
+  if (want_lp) {
+    memset(&lp, 0, sizeof lp);
+    lp.token = o->token;
+    lp.logprob = o->logprob;
+    lp.rank = o->rank;
+    lp.n_top = o->n_top;
+    for (int i = 0; i < o->n_top && i < PD_SAMPLE_MAX_LOGPROBS; i++) {
+      lp.top[i].id = o->top_id[i];
+      lp.top[i].logprob = o->top_logprob[i];
+    }
+  }
+  return emit_token(s, q, o->token, want_lp ? &lp : NULL, e);
+}
+
+/* Appends q's device-sampling spec and edits for this step. */
+static pd_status add_dev_spec(pd_sched *s, sseq *q, int idx, int32_t *n_edits, pd_err *e) {
+  for (;;) {
+    int32_t room = s->edits_cap - *n_edits;
+    int32_t need = pd_sampler_dev_spec(q->smp, &s->specs[idx], s->edits + *n_edits, room);
+    if (need <= room) {
+      s->specs[idx].edit_begin = *n_edits;
+      s->specs[idx].edit_count = need;
+      *n_edits += need;
+      return PD_OK;
+    }
+    int32_t cap = s->edits_cap ? s->edits_cap : 1024;
+    while (cap - *n_edits < need) cap *= 2;
+    pd_dev_sample_edit *p = realloc(s->edits, (size_t)cap * sizeof *p);
+    if (!p) return pd_err_set(e, PD_ENOMEM, "out of memory");
+    s->edits = p;
+    s->edits_cap = cap;
+  }
 }
 
 static pd_status step(pd_sched *s, pd_err *e);
@@ -640,8 +704,12 @@ static pd_status step(pd_sched *s, pd_err *e) {
   }
   pd_kv_pool_copies_done(s->pool);
 
-  /* the ragged batch */
-  int off = 0, n_rows = 0;
+  /* the ragged batch; block tables as wide as the longest one of the step */
+  int off = 0, n_rows = 0, mb = 1;
+  for (int j = 0; j < ns; j++) {
+    int nb = pd_kv_seq_num_blocks(s->sched[j]->kv);
+    if (nb > mb) mb = nb;
+  }
   s->qstart[0] = 0;
   for (int j = 0; j < ns; j++) {
     sseq *q = s->sched[j];
@@ -653,9 +721,9 @@ static pd_status step(pd_sched *s, pd_err *e) {
     s->qstart[j + 1] = off + n;
     s->ctx[j] = c + n;
     int nb = pd_kv_seq_num_blocks(q->kv);
-    int32_t *bt = s->bt + (size_t)j * s->max_blocks;
+    int32_t *bt = s->bt + (size_t)j * mb;
     memcpy(bt, pd_kv_seq_block_table(q->kv), (size_t)nb * sizeof *bt);
-    for (int i = nb; i < s->max_blocks; i++) bt[i] = 0;
+    for (int i = nb; i < mb; i++) bt[i] = 0;
     /* prompt logprobs: position p's logits score prompt token p + 1 */
     q->lp_row0 = -1;
     q->lp_count = 0;
@@ -670,15 +738,36 @@ static pd_status step(pd_sched *s, pd_err *e) {
       }
     }
     q->sample_row = -1;
+    q->dev_row = -1;
     if (c + n == pd_kv_seq_num_tokens(q->kv)) {
-      q->sample_row = n_rows;
-      s->rows[n_rows++] = off + n - 1;
+      /* On the device unless the row also feeds the forks of n > 1 (sampled on the host). */
+      if (s->dev_sample && !(r->n > 1 && !r->forked)) {
+        q->dev_row = 0; /* numbered below, after the host rows */
+      } else {
+        q->sample_row = n_rows;
+        s->rows[n_rows++] = off + n - 1;
+      }
     }
     off += n;
   }
+  /* device-sampled rows come last (pd_batch) */
+  int n_dev = 0;
+  int32_t n_edits = 0;
+  for (int j = 0, o = 0; j < ns; j++) {
+    sseq *q = s->sched[j];
+    o += q->n_new;
+    if (q->dev_row < 0) continue;
+    q->dev_row = n_dev;
+    s->rows[n_rows + n_dev] = o - 1;
+    st = add_dev_spec(s, q, n_dev, &n_edits, e);
+    if (st != PD_OK) return st;
+    n_dev++;
+  }
   pd_batch b = {.n_tokens = nt, .tokens = s->tokens, .positions = s->pos, .slots = s->slots,
                 .n_seqs = ns, .q_start = s->qstart, .ctx_len = s->ctx, .block_tables = s->bt,
-                .max_blocks = s->max_blocks, .n_logits = n_rows, .logit_rows = s->rows};
+                .max_blocks = mb, .n_logits = n_rows + n_dev, .logit_rows = s->rows,
+                .n_sample = n_dev, .sample = s->specs, .edits = s->edits, .n_edits = n_edits,
+                .sample_out = s->outs};
   st = pd_engine_forward(s->eng, &b, s->logits, e);
   if (st != PD_OK) return st;
   s->st.steps++;
@@ -701,7 +790,13 @@ static pd_status step(pd_sched *s, pd_err *e) {
   }
   for (int j = 0; j < ns; j++) {
     sseq *q = s->sched[j];
-    if (q->sample_row < 0 || q->req->aborted) continue;
+    if (q->req->aborted) continue;
+    if (q->dev_row >= 0) {
+      st = emit_dev(s, q, &s->outs[q->dev_row], e); /* may free q */
+      if (st != PD_OK) return st;
+      continue;
+    }
+    if (q->sample_row < 0) continue;
     const float *row = s->logits + (size_t)q->sample_row * s->V;
     sreq *r = q->req;
     sseq *forks[PD_SAMPLE_MAX_N];

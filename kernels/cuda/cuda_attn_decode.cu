@@ -87,9 +87,16 @@ attn_decode_kernel(pd_cuda_attn a, int n_hchunks) {
   const int t = a.q_start[s];
   const int L = a.ctx_len[s];
   const int lo = a.window > 0 && L - a.window > 0 ? L - a.window : 0;
-  const long long kb_l = (long long)lo + (long long)split * a.split_len;
+  /* split_len <= 0: every sequence cuts its own span into n_splits parts (multiples of 64 keys),
+   * so that ragged contexts balance and the launch does not depend on the longest one. */
+  long long sl = a.split_len;
+  if (sl <= 0) {
+    sl = ((long long)(L - lo) + a.n_splits - 1) / a.n_splits;
+    sl = sl < 64 ? 64 : (sl + 63) / 64 * 64;
+  }
+  const long long kb_l = (long long)lo + (long long)split * sl;
   const int kbeg = kb_l < L ? (int)kb_l : L;
-  const int kend = kb_l + a.split_len < L ? (int)(kb_l + a.split_len) : L;
+  const int kend = kb_l + sl < L ? (int)(kb_l + sl) : L;
   const KT *kc = static_cast<const KT *>(a.k), *vc = static_cast<const KT *>(a.v);
   const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
 

@@ -296,6 +296,37 @@ void cu_add(pd_backend *be, float *y, const float *x, size_t n) {
   CK_LAUNCH(c, "add");
 }
 
+/* ---- fused decode-path ops ---------------------------------------------------------------- */
+
+void cu_matmul_glu(pd_backend *be, float *act, float *gu, const float *x, const void *w,
+                   pd_dtype wdt, const float *bias, int M, int F, int K) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && F >= 0 && K >= 0);
+  PD_ASSERT(float_dtype(wdt));
+  if (M == 0 || F == 0) return;
+  use_device(c);
+  if (K > 0 && pd_cuda_gemv_glu_ok(x, w, wdt, M, K)) {
+    pd_cuda_gemv_glu(c->st, act, x, w, wdt, bias, M, F, K);
+    CK_LAUNCH(c, "gemv_glu");
+    return;
+  }
+  be->ops.matmul(be, gu, x, w, wdt, bias, M, 2 * F, K);
+  pd_cuda_swiglu(c->st, act, gu, M, F);
+  CK_LAUNCH(c, "swiglu");
+}
+
+void cu_rope_kv_write(pd_backend *be, float *q_out, const float *qkv, const int32_t *pos,
+                      const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *shape,
+                      const int32_t *slots, int M, int n_q_heads) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && n_q_heads > 0 && shape->block_size > 0 && shape->num_kv_heads > 0);
+  PD_ASSERT(shape->head_dim >= 2 && shape->head_dim % 2 == 0 && float_dtype(shape->dtype));
+  if (M == 0) return;
+  use_device(c);
+  pd_cuda_rope_kv_write(c->st, q_out, qkv, pos, inv_freq, kv, shape, slots, M, n_q_heads);
+  CK_LAUNCH(c, "rope_kv_write");
+}
+
 /* ---- attention ---------------------------------------------------------------------------- */
 
 /* Splits of the context so that about `target` blocks run, each split at least min_len keys,
@@ -364,13 +395,21 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
     CK_LAUNCH(c, "attention (generic)");
     return;
   }
-  if (b->n_tokens == b->n_seqs) {
+  /* PD_CUDA_DECODE_ATTN=tc runs decode batches on the tensor-core (prefill) kernel: a
+   * measurement switch for the benchmarks. */
+  static int decode_tc = -1;
+  if (decode_tc < 0) {
+    const char *ev = getenv("PD_CUDA_DECODE_ATTN");
+    decode_tc = ev && strcmp(ev, "tc") == 0;
+  }
+  if (b->n_tokens == b->n_seqs && !decode_tc) {
     /* Pure decode: every sequence brings exactly one token (each brings at least one). */
     int span = a.max_ctx_len;
     if (a.window > 0 && a.window < span) span = a.window;
     const int maxg = pd_cuda_attn_decode_heads(a.group);
     long long blocks = (long long)a.n_seqs * a.n_kv_heads * ((a.group + maxg - 1) / maxg);
     choose_splits(c, &a, blocks, 8LL * c->n_sm, span, 256, 64);
+    if (a.n_splits > 1) a.split_len = 0; /* per sequence: see pd_cuda_attn */
     pd_cuda_attn_decode(c->st, &a);
     CK_LAUNCH(c, "attention (decode)");
   } else {
@@ -494,6 +533,8 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   be->ops.get_rows = cu_get_rows;
   be->ops.add = cu_add;
   be->ops.destroy = cu_destroy;
+  be->ops.matmul_glu = cu_matmul_glu;
+  be->ops.rope_kv_write = cu_rope_kv_write;
   pd_cuda_register_sample(be);
   pd_cuda_register_kvstage(be);
   pd_cuda_register_graph(be);

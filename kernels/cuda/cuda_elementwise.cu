@@ -59,6 +59,15 @@ __global__ void embed_kernel(float *__restrict__ y, const T *__restrict__ table,
   for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = pd_to_f32(src[i]);
 }
 
+/* The rotation with explicit roundings (no FMA contraction), so that every kernel applying RoPE
+ * gets the same bits. */
+__device__ __forceinline__ float rot0(float x0, float x1, float c, float s) {
+  return __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+}
+__device__ __forceinline__ float rot1(float x0, float x1, float c, float s) {
+  return __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+}
+
 /* One block per token: each thread owns frequency indices i (stride blockDim), computes the
  * angle once (rounded to float first, as Hugging Face does) and rotates that pair in every head. */
 __global__ void rope_kernel(float *q, float *k, const int32_t *__restrict__ pos,
@@ -75,15 +84,15 @@ __global__ void rope_kernel(float *q, float *k, const int32_t *__restrict__ pos,
       for (int h = 0; h < nqh; h++) {
         float *v = qr + (size_t)h * hd;
         float x0 = v[i], x1 = v[i + half];
-        v[i] = x0 * c - x1 * s;
-        v[i + half] = x1 * c + x0 * s;
+        v[i] = rot0(x0, x1, c, s);
+        v[i + half] = rot1(x0, x1, c, s);
       }
     if (kr)
       for (int h = 0; h < nkvh; h++) {
         float *v = kr + (size_t)h * hd;
         float x0 = v[i], x1 = v[i + half];
-        v[i] = x0 * c - x1 * s;
-        v[i + half] = x1 * c + x0 * s;
+        v[i] = rot0(x0, x1, c, s);
+        v[i + half] = rot1(x0, x1, c, s);
       }
   }
 }
@@ -114,6 +123,48 @@ __global__ void kv_write_kernel(T *__restrict__ kc, T *__restrict__ vc, const fl
     size_t dst = (((size_t)blk * nkv + g) * bs + off) * hd + d;
     kc[dst] = pd_from_f32<T>(kr[i]);
     vc[dst] = pd_from_f32<T>(vr[i]);
+  }
+}
+
+/* Fused decode path: one block per token row of qkv = [q | k | v]. RoPE on q (written to q_out)
+ * and on k, then k and v go to the cache slot; the same arithmetic as rope_kernel followed by
+ * kv_write_kernel, so the results are identical to the separate ops. */
+template <typename T>
+__global__ void rope_kv_write_kernel(float *__restrict__ q_out, const float *__restrict__ qkv,
+                                     const int32_t *__restrict__ pos,
+                                     const float *__restrict__ inv_freq, T *__restrict__ kc,
+                                     T *__restrict__ vc, const int32_t *__restrict__ slots,
+                                     int bs, int nqh, int nkvh, int hd) {
+  const int half = hd / 2;
+  const size_t row = (size_t)(nqh + 2 * nkvh) * hd;
+  const float *src = qkv + (size_t)blockIdx.x * row;
+  const float p = (float)pos[blockIdx.x];
+  const int slot = slots[blockIdx.x];
+  const int blk = slot >= 0 ? slot / bs : 0, off = slot >= 0 ? slot - blk * bs : 0;
+  float *qr = q_out + (size_t)blockIdx.x * nqh * hd;
+  const int n_rot = (nqh + nkvh) * half;
+  for (int idx = threadIdx.x; idx < n_rot; idx += blockDim.x) {
+    const int h = idx / half, i = idx - h * half;
+    float s, c;
+    sincosf(p * inv_freq[i], &s, &c);
+    const float *v = src + (size_t)h * hd;
+    const float x0 = v[i], x1 = v[i + half];
+    const float y0 = rot0(x0, x1, c, s), y1 = rot1(x0, x1, c, s);
+    if (h < nqh) {
+      qr[(size_t)h * hd + i] = y0;
+      qr[(size_t)h * hd + i + half] = y1;
+    } else if (slot >= 0) {
+      const int g = h - nqh;
+      const size_t dst = (((size_t)blk * nkvh + g) * bs + off) * hd;
+      kc[dst + i] = pd_from_f32<T>(y0);
+      kc[dst + i + half] = pd_from_f32<T>(y1);
+    }
+  }
+  if (slot < 0) return;
+  const float *vr = src + (size_t)(nqh + nkvh) * hd;
+  for (int idx = threadIdx.x; idx < nkvh * hd; idx += blockDim.x) {
+    const int g = idx / hd, d = idx - g * hd;
+    vc[(((size_t)blk * nkvh + g) * bs + off) * hd + d] = pd_from_f32<T>(vr[idx]);
   }
 }
 
@@ -233,4 +284,21 @@ void pd_cuda_convert(cudaStream_t st, void *dst, pd_dtype dt, const float *src, 
     convert_kernel<<<grid_for(n, 256), 256, 0, st>>>((__nv_bfloat16 *)dst, src, n);
   else
     convert_kernel<<<grid_for(n, 256), 256, 0, st>>>((__half *)dst, src, n);
+}
+
+void pd_cuda_rope_kv_write(cudaStream_t st, float *q_out, const float *qkv, const int32_t *pos,
+                           const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *sh,
+                           const int32_t *slots, int M, int nqh) {
+  const int nkvh = sh->num_kv_heads, hd = sh->head_dim, bs = sh->block_size;
+  int t = 32;
+  while (t < (nqh + nkvh) * hd / 2 && t < 256) t *= 2;
+  if (sh->dtype == PD_DTYPE_BF16)
+    rope_kv_write_kernel<<<M, t, 0, st>>>(q_out, qkv, pos, inv_freq, (__nv_bfloat16 *)kv->k,
+                                          (__nv_bfloat16 *)kv->v, slots, bs, nqh, nkvh, hd);
+  else if (sh->dtype == PD_DTYPE_F16)
+    rope_kv_write_kernel<<<M, t, 0, st>>>(q_out, qkv, pos, inv_freq, (__half *)kv->k,
+                                          (__half *)kv->v, slots, bs, nqh, nkvh, hd);
+  else
+    rope_kv_write_kernel<<<M, t, 0, st>>>(q_out, qkv, pos, inv_freq, (float *)kv->k,
+                                          (float *)kv->v, slots, bs, nqh, nkvh, hd);
 }

@@ -254,6 +254,73 @@ gemv_scalar_kernel(float *__restrict__ y, const float *__restrict__ x, const WT 
   }
 }
 
+/* Gate/up fused with SwiGLU (M <= 2): a warp owns output f and walks the gate row f and the up row
+ * F + f together (4 chunks of each in flight per lane), then writes silu(g) * u. */
+template <typename WT, int MT>
+__global__ void __launch_bounds__(kWarps * 32)
+gemv_glu_kernel(float *__restrict__ act, const float *__restrict__ x, const WT *__restrict__ w,
+                const float *__restrict__ bias, int M, int F, int K) {
+  constexpr int E = wvec<WT>::n;
+  constexpr int U = 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int f = blockIdx.x * kWarps + warp;
+  if (f >= F) return;
+  const uint4 *wg = reinterpret_cast<const uint4 *>(w + (size_t)f * K);
+  const uint4 *wu = reinterpret_cast<const uint4 *>(w + ((size_t)F + f) * K);
+  float ag[MT], au[MT];
+#pragma unroll
+  for (int m = 0; m < MT; m++) ag[m] = au[m] = 0.0f;
+  const int nch = K / E;
+  for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+    uint4 rg[U], ru[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int c = c0 + u * 32;
+      rg[u] = c < nch ? __ldcs(wg + c) : make_uint4(0, 0, 0, 0);
+      ru[u] = c < nch ? __ldcs(wu + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int c = c0 + u * 32;
+      if (c >= nch) break;
+      float fg[E], fu[E];
+      wvec<WT>::unpack(rg[u], fg);
+      wvec<WT>::unpack(ru[u], fu);
+#pragma unroll
+      for (int m = 0; m < MT; m++) {
+        if (m >= M) break;
+        const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)m * K + (size_t)c * E);
+#pragma unroll
+        for (int j = 0; j < E / 4; j++) {
+          float4 t = __ldg(xp + j);
+          ag[m] = fmaf(fg[4 * j], t.x, ag[m]);
+          ag[m] = fmaf(fg[4 * j + 1], t.y, ag[m]);
+          ag[m] = fmaf(fg[4 * j + 2], t.z, ag[m]);
+          ag[m] = fmaf(fg[4 * j + 3], t.w, ag[m]);
+          au[m] = fmaf(fu[4 * j], t.x, au[m]);
+          au[m] = fmaf(fu[4 * j + 1], t.y, au[m]);
+          au[m] = fmaf(fu[4 * j + 2], t.z, au[m]);
+          au[m] = fmaf(fu[4 * j + 3], t.w, au[m]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; m++) {
+    ag[m] = pd_warp_sum(ag[m]);
+    au[m] = pd_warp_sum(au[m]);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+      if (m >= M) break;
+      const float g = ag[m] + (bias ? bias[f] : 0.0f);
+      const float u = au[m] + (bias ? bias[F + f] : 0.0f);
+      act[(size_t)m * F + f] = g / (1.0f + expf(-g)) * u;
+    }
+  }
+}
+
 template <typename WT, int MT>
 void launch(cudaStream_t st, float *y, const float *x, const WT *w, const float *bias, int M,
             int N, int K) {
@@ -295,4 +362,31 @@ void pd_cuda_gemv(cudaStream_t st, float *y, const float *x, const void *w, pd_d
     dispatch_m(st, y, x, (const __half *)w, bias, M, N, K);
   else
     dispatch_m(st, y, x, (const float *)w, bias, M, N, K);
+}
+
+bool pd_cuda_gemv_glu_ok(const float *x, const void *w, pd_dtype wdt, int M, int K) {
+  const int e = wdt == PD_DTYPE_F32 ? 4 : 8;
+  return M >= 1 && M <= PD_CUDA_GEMV_GLU_MAX_M && K % e == 0 && ((uintptr_t)w & 15) == 0 &&
+         ((uintptr_t)x & 15) == 0;
+}
+
+void pd_cuda_gemv_glu(cudaStream_t st, float *act, const float *x, const void *w, pd_dtype wdt,
+                      const float *bias, int M, int F, int K) {
+  const unsigned blocks = (unsigned)((F + kWarps - 1) / kWarps);
+#define PD_GLU(WT)                                                                              \
+  do {                                                                                         \
+    if (M == 1)                                                                                \
+      gemv_glu_kernel<WT, 1><<<blocks, kWarps * 32, 0, st>>>(act, x, (const WT *)w, bias, M,   \
+                                                              F, K);                           \
+    else                                                                                       \
+      gemv_glu_kernel<WT, 2><<<blocks, kWarps * 32, 0, st>>>(act, x, (const WT *)w, bias, M,   \
+                                                              F, K);                           \
+  } while (0)
+  if (wdt == PD_DTYPE_BF16)
+    PD_GLU(__nv_bfloat16);
+  else if (wdt == PD_DTYPE_F16)
+    PD_GLU(__half);
+  else
+    PD_GLU(float);
+#undef PD_GLU
 }

@@ -91,6 +91,10 @@ void pd_cuda_rope(cudaStream_t st, float *q, float *k, const int32_t *pos, const
 void pd_cuda_swiglu(cudaStream_t st, float *y, const float *gu, int M, int F);
 void pd_cuda_kv_write(cudaStream_t st, const pd_kv_layer *kv, const pd_kv_shape *sh,
                       const float *k, const float *v, const int32_t *slots, int M);
+/* RoPE on the q and k parts of qkv rows [q | k | v], q to q_out, k and v to the cache. */
+void pd_cuda_rope_kv_write(cudaStream_t st, float *q_out, const float *qkv, const int32_t *pos,
+                           const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *sh,
+                           const int32_t *slots, int M, int nqh);
 void pd_cuda_get_rows(cudaStream_t st, float *y, const float *x, const int32_t *idx, int n, int D);
 void pd_cuda_add(cudaStream_t st, float *y, const float *x, size_t n);
 /* y[M,N] += bias[N] for every row. */
@@ -102,6 +106,14 @@ void pd_cuda_convert(cudaStream_t st, void *dst, pd_dtype dt, const float *src, 
 #define PD_CUDA_GEMV_MAX_M 8
 void pd_cuda_gemv(cudaStream_t st, float *y, const float *x, const void *w, pd_dtype wdt,
                   const float *bias, int M, int N, int K);
+
+/* act[M,F] = silu(x W_g^T + b_g) * (x W_u^T + b_u), w = [W_g; W_u]: the GEMV with both rows of
+ * an output in one warp, for M <= PD_CUDA_GEMV_GLU_MAX_M. */
+#define PD_CUDA_GEMV_GLU_MAX_M 2
+/* Whether pd_cuda_gemv_glu takes these arguments (M, K multiple of the vector width, aligned). */
+bool pd_cuda_gemv_glu_ok(const float *x, const void *w, pd_dtype wdt, int M, int K);
+void pd_cuda_gemv_glu(cudaStream_t st, float *act, const float *x, const void *w, pd_dtype wdt,
+                      const float *bias, int M, int F, int K);
 
 /* Attention. One call's arguments, resolved; workspaces belong to the backend. */
 typedef struct pd_cuda_attn {
@@ -116,7 +128,8 @@ typedef struct pd_cuda_attn {
   int max_blocks, n_seqs, n_tokens, max_ctx_len;
   /* split-K: n_splits > 1 writes unnormalised partials to part_o [n_splits, n_tokens, n_q_heads,
    * head_dim] and (max, sum) in the log2 domain to part_ml [n_splits, n_tokens, n_q_heads], then a
-   * merge kernel writes out. split_len keys per split (a multiple of 64). */
+   * merge kernel writes out. split_len keys per split (a multiple of 64); for the decode kernel
+   * split_len <= 0 means each sequence splits its own context into n_splits equal parts. */
   int n_splits, split_len;
   float *part_o;
   float2 *part_ml;

@@ -214,9 +214,10 @@ int main(int argc, char **argv) {
       bt_linear[s * MAX_BLOCKS + i] = s * MAX_BLOCKS + i;
       bt_shuffled[s * MAX_BLOCKS + i] = s * MAX_BLOCKS + (i * 37 + 11) % MAX_BLOCKS;
     }
-  static const pd_dtype kvs[2] = {PD_DTYPE_F32, PD_DTYPE_BF16};
+  /* F32 and BF16 KV with decode steps replayed as graphs, then BF16 op by op (eager) */
+  static const pd_dtype kvs[3] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_BF16};
   const cJSON *cases = cJSON_GetObjectItem(root, "cases");
-  for (int k = 0; k < 2; k++) {
+  for (int k = 0; k < 3; k++) {
     pd_engine_opts o;
     pd_engine_opts_default(&o);
     o.block_size = BS;
@@ -225,6 +226,7 @@ int main(int argc, char **argv) {
     o.max_batch_tokens = MAX_CTX;
     o.max_seqs = NCASES;
     o.kv_dtype = kvs[k];
+    o.enforce_eager = k == 2;
     pd_engine *eng = pd_engine_create(m, be, &o, &e);
     if (!eng) {
       fprintf(stderr, "engine: %s\n", e.msg);
@@ -239,6 +241,17 @@ int main(int argc, char **argv) {
     }
     CHECK(idx == NCASES);
     batch_vs_single(eng, V, cases, k ? bt_shuffled : bt_linear);
+    uint64_t replays = 0;
+    int n_graphs = 0;
+    pd_engine_graph_stats(eng, &replays, &n_graphs);
+    printf("kv %s%s: %llu decode steps replayed from %d graphs\n", pd_dtype_name(kvs[k]),
+           k == 2 ? " (eager)" : "", (unsigned long long)replays, n_graphs);
+    if (k == 2)
+      CHECKF(replays == 0 && n_graphs == 0, "eager engine replayed %llu steps",
+             (unsigned long long)replays);
+    else
+      CHECKF(replays > 0 && n_graphs >= 2, "graphs not used: %llu replays, %d graphs",
+             (unsigned long long)replays, n_graphs);
     pd_engine_free(eng);
   }
   CHECKF(pd_backend_cuda_status(be, &e) == PD_OK, "backend status: %s", e.msg);

@@ -341,6 +341,113 @@ static void test_rope_swiglu(void) {
   gfree(dy);
 }
 
+/* ---- fused decode ops ------------------------------------------------------------------------- */
+
+/* matmul_glu against the CPU's matmul + swiglu; rope_kv_write against the GPU's own rope +
+ * kv_write (the same arithmetic, so the results must be identical bit for bit). */
+static void test_fused(void) {
+  static const int shapes[][3] = {{1, 1408, 4096}, {2, 1003, 2048}, {1, 77, 1003},
+                                  {3, 512, 1024}, {9, 300, 512}};
+  for (int si = 0; si < 5; si++)
+    for (int d = 0; d < 3; d++)
+      for (int wb = 0; wb < 2; wb++) {
+        const int M = shapes[si][0], F = shapes[si][1], K = shapes[si][2];
+        const pd_dtype wdt = k_dts[d];
+        size_t nw = (size_t)2 * F * K;
+        void *w = rand_dt(wdt, nw, -0.05f, 0.05f);
+        float *x = rand_f32((size_t)M * K, -1, 1), *b = wb ? rand_f32((size_t)2 * F, -1, 1) : NULL;
+        float *gu = xmalloc((size_t)M * 2 * F * 4), *ref = xmalloc((size_t)M * F * 4);
+        g_cpu->ops.matmul(g_cpu, gu, x, w, wdt, b, M, 2 * F, K);
+        g_cpu->ops.swiglu(g_cpu, ref, gu, M, F);
+        void *dw = up(w, nw * pd_dtype_size(wdt));
+        float *dx = up(x, (size_t)M * K * 4), *db = b ? up(b, (size_t)2 * F * 4) : NULL;
+        float *dgu = g_gpu->ops.alloc(g_gpu, (size_t)M * 2 * F * 4);
+        float *dact = g_gpu->ops.alloc(g_gpu, (size_t)M * F * 4);
+        REQUIRE(g_gpu->ops.matmul_glu);
+        g_gpu->ops.matmul_glu(g_gpu, dact, dgu, dx, dw, wdt, db, M, F, K);
+        float *act = down(dact, (size_t)M * F * 4);
+        double err = rel_err(act, ref, (size_t)M * F);
+        CHECKF(err < (wdt == PD_DTYPE_F32 ? 2e-3 : 2e-4), "matmul_glu M=%d F=%d K=%d %s bias=%d: %.3g",
+               M, F, K, dtn(wdt), wb, err);
+        free(w);
+        free(x);
+        free(b);
+        free(gu);
+        free(ref);
+        free(act);
+        gfree(dw);
+        gfree(dx);
+        if (db) gfree(db);
+        gfree(dgu);
+        gfree(dact);
+      }
+
+  static const int hds[3] = {64, 80, 128};
+  for (int h = 0; h < 3; h++)
+    for (int d = 0; d < 3; d++) {
+      const int hd = hds[h], half = hd / 2, nq = 6, nkv = 2, M = 37, bs = 16, nb = 12;
+      const pd_dtype dt = k_dts[d];
+      const int qd = nq * hd, kd = nkv * hd, row = qd + 2 * kd;
+      float *inv = xmalloc((size_t)half * 4);
+      for (int i = 0; i < half; i++) inv[i] = powf(10000.0f, -2.0f * i / hd);
+      int32_t pos[37], slots[37];
+      for (int i = 0; i < M; i++) {
+        pos[i] = irand(70000);
+        slots[i] = i % 5 == 2 ? -1 : (int32_t)((i * 29 + 3) % (nb * bs));
+      }
+      float *qkv = rand_f32((size_t)M * row, -2, 2);
+      float *q = xmalloc((size_t)M * qd * 4), *k = xmalloc((size_t)M * kd * 4),
+            *v = xmalloc((size_t)M * kd * 4);
+      for (int i = 0; i < M; i++) {
+        memcpy(q + (size_t)i * qd, qkv + (size_t)i * row, (size_t)qd * 4);
+        memcpy(k + (size_t)i * kd, qkv + (size_t)i * row + qd, (size_t)kd * 4);
+        memcpy(v + (size_t)i * kd, qkv + (size_t)i * row + qd + kd, (size_t)kd * 4);
+      }
+      pd_kv_shape sh = {nb, bs, nkv, hd, dt};
+      size_t cb = (size_t)nb * nkv * bs * hd * pd_dtype_size(dt);
+      void *cache = rand_dt(dt, (size_t)nb * nkv * bs * hd, -1, 1);
+      pd_kv_layer a = {up(cache, cb), up(cache, cb)}, f = {up(cache, cb), up(cache, cb)};
+      float *dq = up(q, (size_t)M * qd * 4), *dk = up(k, (size_t)M * kd * 4),
+            *dv = up(v, (size_t)M * kd * 4), *dqkv = up(qkv, (size_t)M * row * 4),
+            *dinv = up(inv, (size_t)half * 4);
+      float *dqo = g_gpu->ops.alloc(g_gpu, (size_t)M * qd * 4);
+      int32_t *dpos = up(pos, sizeof pos), *dsl = up(slots, sizeof slots);
+      g_gpu->ops.rope(g_gpu, dq, dk, dpos, dinv, M, nq, nkv, hd);
+      g_gpu->ops.kv_write(g_gpu, &a, &sh, dk, dv, dsl, M);
+      REQUIRE(g_gpu->ops.rope_kv_write);
+      g_gpu->ops.rope_kv_write(g_gpu, dqo, dqkv, dpos, dinv, &f, &sh, dsl, M, nq);
+      float *q1 = down(dq, (size_t)M * qd * 4), *q2 = down(dqo, (size_t)M * qd * 4);
+      void *k1 = down(a.k, cb), *k2 = down(f.k, cb), *v1 = down(a.v, cb), *v2 = down(f.v, cb);
+      CHECKF(memcmp(q1, q2, (size_t)M * qd * 4) == 0 && memcmp(k1, k2, cb) == 0 &&
+                 memcmp(v1, v2, cb) == 0,
+             "rope_kv_write hd=%d %s differs from rope + kv_write", hd, dtn(dt));
+      free(inv);
+      free(qkv);
+      free(q);
+      free(k);
+      free(v);
+      free(cache);
+      free(q1);
+      free(q2);
+      free(k1);
+      free(k2);
+      free(v1);
+      free(v2);
+      gfree(a.k);
+      gfree(a.v);
+      gfree(f.k);
+      gfree(f.v);
+      gfree(dq);
+      gfree(dk);
+      gfree(dv);
+      gfree(dqkv);
+      gfree(dinv);
+      gfree(dqo);
+      gfree(dpos);
+      gfree(dsl);
+    }
+}
+
 /* ---- KV cache write --------------------------------------------------------------------------- */
 
 static void test_kv_write(int bs, pd_dtype dt) {
@@ -593,6 +700,7 @@ int main(int argc, char **argv) {
     test_kv_write(32, k_dts[d]);
   }
   test_attention();
+  test_fused();
 
   g_gpu->ops.sync(g_gpu);
   CHECKF(pd_backend_cuda_status(g_gpu, &e) == PD_OK, "backend status: %s", e.msg);

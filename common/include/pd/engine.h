@@ -7,6 +7,7 @@
 #ifndef PD_ENGINE_H
 #define PD_ENGINE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "pd/backend.h"
@@ -26,6 +27,8 @@ typedef struct pd_engine_opts {
   int max_seqs;         /* most sequences in one forward (default 256) */
   int max_model_len;    /* longest context (default: the model's max_position_embeddings) */
   pd_dtype kv_dtype;    /* F32 (default) */
+  bool enforce_eager;   /* never replay decode steps as graphs (backends with graphs) */
+  bool no_device_sampling; /* pd_engine_can_sample reports false */
 } pd_engine_opts;
 
 /* Fills the defaults above (call before setting fields). */
@@ -59,7 +62,23 @@ typedef struct pd_batch {
   int max_blocks;
   int n_logits;
   const int32_t *logit_rows; /* [n_logits] */
+  /* Device sampling (only when pd_engine_can_sample): the LAST n_sample logit rows are sampled
+   * on the backend with sample[i] (the engine sets its row field), results in sample_out[i],
+   * and only the first n_logits - n_sample rows are copied to the host logits. edits: the
+   * specs' edit lists (pd/backend.h). Zero n_sample: every row goes to the host. */
+  int n_sample;
+  pd_dev_sample_spec *sample;     /* [n_sample] */
+  const pd_dev_sample_edit *edits; /* [n_edits] */
+  int n_edits;
+  pd_dev_sample_out *sample_out;  /* [n_sample] */
 } pd_batch;
+
+/* Whether batches may ask for device sampling (the backend has a `sample` op and the engine
+ * options allow it). */
+bool pd_engine_can_sample(const pd_engine *eng);
+
+/* Graph replays so far and the graphs held (backends with graphs; decode steps only). */
+void pd_engine_graph_stats(const pd_engine *eng, uint64_t *replays, int *n_graphs);
 
 /* Runs the batch; writes logits [n_logits, vocab_size] (host, f32). The batch is validated
  * (sizes within the engine's limits, ids in the vocabulary, slots and block ids in the pool,

@@ -27,6 +27,8 @@ typedef struct pd_runtime_opts {
   int max_seqs;         /* 256 */
   int max_model_len;    /* 0 = the model's */
   bool no_prefix_cache;
+  bool enforce_eager;   /* GPU: no graph replay of decode steps */
+  bool no_device_sampling; /* GPU: sample on the host (copies every logits row back) */
 } pd_runtime_opts;
 
 void pd_runtime_opts_default(pd_runtime_opts *o);
