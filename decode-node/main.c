@@ -443,8 +443,15 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
   size_t off = 0;
   pd_err e = {0};
   for (int i = 0; i < m->n_payload; i++) {
-    if (pd_kvpack_unpack_range(&n->pages, &s, r->blocks, r->nb, off, m->payload[i],
-                               m->payload_len[i], &e) != PD_OK) {
+    /* host pages: memcpy; device pages: kv_scatter from the frame (pd_node_kv_unpack) */
+    pd_status st = pd_node_kv_unpack(n, &s, r->blocks, r->nb, off, m->payload[i],
+                                     m->payload_len[i], &e);
+    if (st == PD_EBACKEND) { /* the device failed, not the message */
+      pd_metric_add(g.m_errors_internal, 1);
+      fail_req(r, PD__ERROR_CODE__ERROR_CODE_INTERNAL, e.msg);
+      return;
+    }
+    if (st != PD_OK) {
       pd_metric_add(g.m_errors_kv, 1);
       fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL, e.msg);
       return;

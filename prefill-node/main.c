@@ -220,7 +220,9 @@ static void links_drain(void) {
 }
 
 /* Packs the request's pages (all layers, all heads, in chunks of whole layers) and queues the
- * headers and KvTransferDone on the decode node's link. */
+ * headers and KvTransferDone on the decode node's link. On a GPU the pages are gathered from
+ * device memory into the frames (pd_node_kv_pack: two kv_gather calls per layer of a chunk);
+ * the step's forward is queued before on the same stream, so the KV it wrote is there. */
 static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogprob *first_lp,
                          pd_err *e) {
   pd_node *n = &g.node;
@@ -260,7 +262,7 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
         st = pd_err_set(e, PD_ENOMEM, "out of memory");
         break;
       }
-      st = pd_kvpack_pack_range(&n->pages, &s, ev->block_table, nb, off, frames[f], len, e);
+      st = pd_node_kv_pack(n, &s, ev->block_table, nb, off, frames[f], len, e);
       crc = crc32(crc, frames[f], (uInt)len);
       lens[f] = len;
       fb[f] = len;

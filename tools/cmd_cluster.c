@@ -644,6 +644,46 @@ static bool binary_accepts(const char *bin, const char *flag) {
   return found;
 }
 
+/* Entry k (round robin) of a comma-separated device list ("cuda:0,cuda:1") into out. */
+static void device_pick(const char *list, int k, char *out, size_t cap) {
+  int n = 1;
+  for (const char *q = list; *q; q++) n += *q == ',';
+  int want = k % n;
+  const char *a = list;
+  for (int i = 0; i < want; i++) a = strchr(a, ',') + 1;
+  const char *b = strchr(a, ',');
+  size_t len = b ? (size_t)(b - a) : strlen(a);
+  if (len >= cap) len = cap - 1;
+  memcpy(out, a, len);
+  out[len] = 0;
+}
+
+static bool device_is_gpu(const char *d) { return strncmp(d, "cuda", 4) == 0; }
+
+/* Every entry of a device list is cpu, cuda or cuda:N. */
+static bool device_list_ok(const char *list) {
+  if (!*list) return false;
+  char one[64];
+  int n = 1;
+  for (const char *q = list; *q; q++) n += *q == ',';
+  for (int k = 0; k < n; k++) {
+    device_pick(list, k, one, sizeof one);
+    if (!strcmp(one, "cpu") || !strcmp(one, "cuda")) continue;
+    if (strncmp(one, "cuda:", 5) != 0 || !one[5]) return false;
+    for (const char *q = one + 5; *q; q++)
+      if (*q < '0' || *q > '9') return false;
+  }
+  return true;
+}
+
+/* Whether a node flag was given by the user: in an args string or after "--". */
+static bool flag_given(const char *args, int argc, char **argv, int from, const char *flag) {
+  if (args && strstr(args, flag)) return true;
+  for (int i = from; i < argc; i++)
+    if (!strncmp(argv[i], flag, strlen(flag))) return true;
+  return false;
+}
+
 static int cluster_up(int argc, char **argv) {
   /* node flags after "--" pass through */
   int dd = argc;
@@ -654,8 +694,10 @@ static int cluster_up(int argc, char **argv) {
     }
   const char *model = NULL, *draft = NULL, *run_dir = NULL, *bin_dir = NULL, *host = "127.0.0.1",
              *router_args = NULL, *prefill_args = NULL, *decode_args = NULL, *api_key = NULL,
-             *name = NULL;
+             *name = NULL, *device = NULL, *prefill_device = NULL, *decode_device = NULL,
+             *kv_dtype = NULL;
   int n_prefill = 1, n_decode = 1, port = 8000;
+  double gpu_util = 0;
   double timeout_s = 180;
   bool help = false, keep = false, quiet = false;
   pd_opt opts[] = {
@@ -674,6 +716,19 @@ static int cluster_up(int argc, char **argv) {
       {"prefill-args", PD_OPT_STR, &prefill_args, "\"FLAGS\"", "extra prefill-node flags",
        NULL},
       {"decode-args", PD_OPT_STR, &decode_args, "\"FLAGS\"", "extra decode-node flags", NULL},
+      {"device", PD_OPT_STR, &device, "DEV",
+       "device of every prefill and decode node: cpu (default), cuda, cuda:N, or a list "
+       "cuda:0,cuda:1 handed out round robin", NULL},
+      {"prefill-device", PD_OPT_STR, &prefill_device, "DEV",
+       "device of the prefill nodes (overrides --device)", NULL},
+      {"decode-device", PD_OPT_STR, &decode_device, "DEV",
+       "device of the decode nodes (overrides --device)", NULL},
+      {"gpu-memory-utilization", PD_OPT_DOUBLE, &gpu_util, "F",
+       "each GPU node's share of its device's memory (weights + KV); nodes sharing a GPU "
+       "need shares that add up to at most ~0.9 (node default 0.9)", NULL},
+      {"kv-cache-dtype", PD_OPT_STR, &kv_dtype, "T",
+       "KV dtype of every node (f32, bf16, f16); prefill and decode must agree (default: bf16 "
+       "when CPU and GPU nodes are mixed, else the nodes' own default)", NULL},
       {"bin-dir", PD_OPT_STR, &bin_dir, "DIR",
        "where pd-router, pd-prefill, pd-decode are (default: found from pdctl's location)", NULL},
       {"timeout", PD_OPT_DOUBLE, &timeout_s, "S", "readiness wait (default 180)", NULL},
@@ -687,7 +742,9 @@ static int cluster_up(int argc, char **argv) {
   if (help) {
     fputs("usage: pdctl cluster up --model DIR [--draft-model DIR] --prefill P --decode D "
           "--port PORT --run-dir DIR [-- node flags...]\n"
-          "Flags after -- go to every prefill and decode node (e.g. -- --threads 1).\n",
+          "Flags after -- go to every prefill and decode node (e.g. -- --threads 1).\n"
+          "GPU nodes: --device cuda:0 (or --prefill-device / --decode-device) and "
+          "--gpu-memory-utilization F (each node's share).\n",
           stdout);
     pd_opts_usage(stdout, opts);
     return 0;
@@ -698,6 +755,12 @@ static int cluster_up(int argc, char **argv) {
     return pdctl_fail("--prefill and --decode must be in 1..32");
   if (port < 0 || port > 65535) return pdctl_fail("--port must be in 0..65535");
   if (!(timeout_s > 0)) return pdctl_fail("--timeout must be positive");
+  if (!prefill_device) prefill_device = device ? device : "cpu";
+  if (!decode_device) decode_device = device ? device : "cpu";
+  if (!device_list_ok(prefill_device) || !device_list_ok(decode_device))
+    return pdctl_fail("devices must be cpu, cuda or cuda:N (comma-separated lists allowed)");
+  if (gpu_util < 0 || gpu_util > 1)
+    return pdctl_fail("--gpu-memory-utilization must be in (0, 1]");
   struct stat sb;
   if (stat(model, &sb) != 0 || !S_ISDIR(sb.st_mode))
     return pdctl_fail("--model %s: not a folder", model);
@@ -811,14 +874,36 @@ static int cluster_up(int argc, char **argv) {
   }
 
   /* the nodes */
-  bool threads_given = (prefill_args && strstr(prefill_args, "--threads")) ||
-                       (decode_args && strstr(decode_args, "--threads"));
-  for (int i = dd + 1; i < argc; i++) threads_given |= strncmp(argv[i], "--threads", 9) == 0;
+  bool threads_given = flag_given(prefill_args, argc, argv, dd + 1, "--threads") ||
+                       flag_given(decode_args, argc, argv, dd + 1, "--threads");
+  /* The KV dtype must be the same on both sides of a transfer; "auto" is f32 on a CPU node and
+   * bf16 on a GPU node, so a mixed cluster gets bf16 everywhere unless told otherwise. */
+  int n_gpu = 0, n_cpu_nodes = 0;
+  for (int k = 0; k < n_prefill + n_decode; k++) {
+    bool pre = k < n_prefill;
+    char dev[64];
+    device_pick(pre ? prefill_device : decode_device, pre ? k : k - n_prefill, dev, sizeof dev);
+    if (device_is_gpu(dev)) n_gpu++;
+    else n_cpu_nodes++;
+  }
+  bool dtype_given = flag_given(prefill_args, argc, argv, dd + 1, "--kv-cache-dtype") ||
+                     flag_given(decode_args, argc, argv, dd + 1, "--kv-cache-dtype");
+  if (!kv_dtype && !dtype_given && n_gpu && n_cpu_nodes) {
+    kv_dtype = "bf16";
+    if (!quiet)
+      fprintf(stderr, "pdctl: CPU and GPU nodes: --kv-cache-dtype bf16 on every node (the KV "
+                      "dtype must match across a transfer)\n");
+  }
+  /* GPU nodes spend no CPU threads on the forward: the cores go to the CPU nodes */
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  int node_threads = cores > n_prefill + n_decode ? (int)(cores / (n_prefill + n_decode)) : 1;
+  int n_share = n_cpu_nodes ? n_cpu_nodes : 1;
+  int node_threads = cores > n_share ? (int)(cores / n_share) : 1;
   for (int k = 0; k < n_prefill + n_decode; k++) {
     bool pre = k < n_prefill;
     int idx = pre ? k : k - n_prefill;
+    char dev[64];
+    device_pick(pre ? prefill_device : decode_device, idx, dev, sizeof dev);
+    bool gpu = device_is_gpu(dev);
     proc *p = &c.procs[c.n++];
     snprintf(p->name, sizeof p->name, "%s-%d", pre ? "prefill" : "decode", idx);
     snprintf(p->role, sizeof p->role, "%s", pre ? "prefill" : "decode");
@@ -845,13 +930,17 @@ static int cluster_up(int argc, char **argv) {
     }
     proc_arg(p, "--ready-file");
     proc_argf(p, "%s/%s.ready", c.run_dir, p->name);
+    proc_arg(p, "--device");
+    proc_arg(p, dev);
+    if (gpu && gpu_util > 0) proc_argf(p, "--gpu-memory-utilization=%g", gpu_util);
+    if (kv_dtype) proc_argf(p, "--kv-cache-dtype=%s", kv_dtype);
     if (pre && prefill_args) add_split_args(p, prefill_args);
     if (!pre && decode_args) add_split_args(p, decode_args);
     for (int i = dd + 1; i < argc; i++) proc_arg(p, argv[i]);
     /* The nodes share this machine's cores: unless told otherwise, split them so that the
      * CPU backends' spinning thread pools never oversubscribe it (2 nodes x all cores on
      * 2 cores runs several times slower than 1 thread each). */
-    if (!threads_given) proc_argf(p, "--threads=%d", node_threads);
+    if (!threads_given && !gpu) proc_argf(p, "--threads=%d", node_threads);
     if (spawn(&c, p) != 0) return fail_up(&c, false);
   }
   if (!quiet)

@@ -182,7 +182,8 @@ static void usage(void) {
         "  cluster      start, inspect and stop a local cluster (router + prefill + decode)\n"
         "  client       send a request to a router's ZeroMQ client API, print the answer\n"
         "  bench        serving benchmark against a running router (TTFT, TPOT, ITL)\n"
-        "  make-model   write a model folder with published shapes and random weights\n\n"
+        "  make-model   write a model folder with published shapes and random weights\n"
+        "  devices      the CPU kernel family and the CUDA devices this build can use\n\n"
         "Run 'pdctl <command> --help' for the options of a command.\n",
         stderr);
 }
@@ -197,6 +198,7 @@ int main(int argc, char **argv) {
   if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc, argv);
   if (!strcmp(cmd, "bench-model")) return cmd_bench_model(argc, argv);
   if (!strcmp(cmd, "make-model")) return cmd_make_model(argc, argv);
+  if (!strcmp(cmd, "devices")) return cmd_devices(argc, argv);
 #ifdef PD_HAVE_NET
   if (!strcmp(cmd, "cluster")) return cmd_cluster(argc, argv);
   if (!strcmp(cmd, "client")) return cmd_client(argc, argv);

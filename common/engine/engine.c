@@ -474,7 +474,7 @@ static bool forward_graph(pd_engine *g, const pd_batch *b) {
   if (gr && !gr->exec) return false; /* capture failed before: eager */
   if (!gr && g->n_graphs == ENG_MAX_GRAPHS) return false;
 
-  size_t need = (size_t)5 * B + 1 + (size_t)B * mbw;
+  size_t need = (size_t)6 * B + 1 + (size_t)B * mbw;
   if (need > g->h_meta_n) {
     int32_t *p = realloc(g->h_meta, need * sizeof *p);
     if (!p) return false;

@@ -1,12 +1,15 @@
-/* KV page pack/unpack on the CPU (pd/kvpack.h).
+/* KV page pack/unpack (pd/kvpack.h): host caches with memcpy, backend caches (pd_kvstage)
+ * with the backend's kv_gather / kv_scatter.
  *
  * The staging buffer is a sequence of segments, one per (layer, K/V, listed block), each the
  * slice's heads of that block: (head_end - head_begin) * block_size * head_dim * esize bytes.
  * Inside a block of the cache the heads are outermost, so the heads both sides hold form ONE
  * contiguous run in the segment and one in the cache: every segment is a single memcpy (or none),
  * also for a byte range that starts or ends inside a segment. */
+#include <stdlib.h>
 #include <string.h>
 
+#include "pd/backend_cuda.h"
 #include "pd/kvpack.h"
 
 #define MAX_HEADS 65536
@@ -132,8 +135,10 @@ static void walk(const pd_kv_pages *g, const pd_kv_slice *s, const int32_t *ids,
   }
 }
 
-static pd_status ranged(const pd_kv_pages *g, const pd_kv_slice *s, const int32_t *ids, int n,
-                        size_t off, void *buf, size_t len, bool pack, pd_err *e) {
+/* The checks every ranged call makes before copying anything. */
+static pd_status range_check(const pd_kv_pages *g, const pd_kv_slice *s, const int32_t *ids,
+                             int n, size_t off, const void *buf, size_t len, bool pack,
+                             pd_err *e) {
   pd_status st = pd_kvpack_check(g, s, ids, n, !pack, e);
   if (st) return st;
   size_t total = pd_kvpack_size(g, s, n);
@@ -141,6 +146,13 @@ static pd_status ranged(const pd_kv_pages *g, const pd_kv_slice *s, const int32_
     return pd_err_set(e, PD_ERANGE, "kvpack: range [%zu, +%zu) outside the %zu-byte buffer", off,
                       len, total);
   if (len && !buf) return pd_err_set(e, PD_EINVAL, "kvpack: NULL buffer");
+  return PD_OK;
+}
+
+static pd_status ranged(const pd_kv_pages *g, const pd_kv_slice *s, const int32_t *ids, int n,
+                        size_t off, void *buf, size_t len, bool pack, pd_err *e) {
+  pd_status st = range_check(g, s, ids, n, off, buf, len, pack, e);
+  if (st) return st;
   if (len) walk(g, s, ids, n, off, buf, len, pack);
   return PD_OK;
 }
@@ -172,4 +184,187 @@ pd_status pd_kvpack_unpack(const pd_kv_pages *dst, const pd_kv_slice *s,
   if (need && len != need)
     return pd_err_set(e, PD_ERANGE, "kvpack: buffer of %zu bytes, the slice has %zu", len, need);
   return ranged(dst, s, block_ids, n_blocks, 0, (void *)buf, need, false, e);
+}
+
+/* ---- backend caches: pd_kvstage ---------------------------------------------------------- */
+
+#define KVSTAGE_BOUNCE_DEFAULT ((size_t)4 << 20)
+
+struct pd_kvstage {
+  pd_backend *be;
+  size_t bounce_max; /* the batch size for resharded runs, in bytes */
+  void *bounce;      /* host; page-locked when from be->ops.host_alloc */
+  size_t bounce_cap;
+  bool bounce_pinned;
+};
+
+pd_kvstage *pd_kvstage_new(pd_backend *be, size_t bounce_bytes, pd_err *e) {
+  if (!be) {
+    pd_err_set(e, PD_EINVAL, "kvstage: no backend");
+    return NULL;
+  }
+  if (!be->ops.kv_gather || !be->ops.kv_scatter) {
+    pd_err_set(e, PD_EUNSUPPORTED, "kvstage: the %s backend has no kv_gather / kv_scatter",
+               be->ops.name ? be->ops.name : "?");
+    return NULL;
+  }
+  pd_kvstage *st = calloc(1, sizeof *st);
+  if (!st) {
+    pd_err_set(e, PD_ENOMEM, "kvstage: out of memory");
+    return NULL;
+  }
+  st->be = be;
+  st->bounce_max = bounce_bytes ? bounce_bytes : KVSTAGE_BOUNCE_DEFAULT;
+  return st;
+}
+
+static void bounce_release(pd_kvstage *st) {
+  if (!st->bounce) return;
+  if (st->bounce_pinned) st->be->ops.host_free(st->be, st->bounce);
+  else free(st->bounce);
+  st->bounce = NULL;
+  st->bounce_cap = 0;
+  st->bounce_pinned = false;
+}
+
+void pd_kvstage_free(pd_kvstage *st) {
+  if (!st) return;
+  bounce_release(st);
+  free(st);
+}
+
+/* Makes the bounce buffer at least bytes long (page-locked when the backend can). */
+static pd_status bounce_reserve(pd_kvstage *st, size_t bytes, pd_err *e) {
+  if (bytes <= st->bounce_cap) return PD_OK;
+  bounce_release(st);
+  pd_backend *be = st->be;
+  if (be->ops.host_alloc && be->ops.host_free) {
+    st->bounce = be->ops.host_alloc(be, bytes);
+    st->bounce_pinned = st->bounce != NULL;
+  }
+  if (!st->bounce) st->bounce = malloc(bytes);
+  if (!st->bounce) return pd_err_set(e, PD_ENOMEM, "kvstage: no %zu-byte bounce buffer", bytes);
+  st->bounce_cap = bytes;
+  return PD_OK;
+}
+
+/* PD_EBACKEND when the backend recorded a failure (only CUDA backends can fail an op). */
+static pd_status backend_status(pd_backend *be, pd_err *e) {
+  if (!pd_backend_cuda_stream(be)) return PD_OK;
+  pd_err be_err = {0};
+  if (pd_backend_cuda_status(be, &be_err) == PD_OK) return PD_OK;
+  return pd_err_set(e, PD_EBACKEND, "kvstage: backend failure: %s", be_err.msg);
+}
+
+/* One staging walk over a backend cache (see pd/kvpack.h for the cost model). */
+typedef struct stage_walk {
+  pd_kvstage *st;
+  bool pack;
+  const int32_t *ids;
+  size_t seg;            /* staging segment bytes (the slice's heads) */
+  size_t held_a, held_b; /* the heads held here, as a byte range of a segment */
+  size_t stride;         /* bytes of one block of one layer's K (or V) */
+  size_t coff;           /* byte offset of the first held head inside a block */
+  uint8_t *buf;          /* the caller's bytes [off, off + len) */
+  size_t off;
+} stage_walk;
+
+/* n segments starting at list entry i: host (contiguous, seg_bytes each) <-> the cache at
+ * base + ids[i + j] * stride + coff + skip. */
+static pd_status stage_io(stage_walk *w, void *base, size_t i, int n, size_t skip, void *host,
+                          size_t seg_bytes, pd_err *e) {
+  pd_backend *be = w->st->be;
+  if (w->pack)
+    be->ops.kv_gather(be, host, base, w->ids + i, n, w->stride, w->coff + skip, seg_bytes);
+  else
+    be->ops.kv_scatter(be, base, host, w->ids + i, n, w->stride, w->coff + skip, seg_bytes);
+  return backend_status(be, e);
+}
+
+/* Bytes [x0, y0) of segment i of the run starting at staging offset rs. */
+static pd_status stage_partial(stage_walk *w, void *base, size_t rs, size_t i, size_t x0,
+                               size_t y0, pd_err *e) {
+  size_t x = x0 > w->held_a ? x0 : w->held_a;
+  size_t y = y0 < w->held_b ? y0 : w->held_b;
+  if (x >= y) return PD_OK;
+  return stage_io(w, base, i, 1, x - w->held_a, w->buf + (rs + i * w->seg + x - w->off), y - x,
+                  e);
+}
+
+/* The whole segments [i0, i1) of the run starting at staging offset rs. */
+static pd_status stage_full(stage_walk *w, void *base, size_t rs, size_t i0, size_t i1,
+                            pd_err *e) {
+  if (i0 >= i1) return PD_OK;
+  size_t hb = w->held_b - w->held_a;
+  if (hb == w->seg) /* every head of the slice is held: staging bytes are the cache's segments */
+    return stage_io(w, base, i0, (int)(i1 - i0), 0, w->buf + (rs + i0 * w->seg - w->off), hb, e);
+  /* resharding: the held heads are a strided part of each segment; compact them */
+  size_t per = w->st->bounce_max / hb;
+  if (per < 1) per = 1;
+  if (per > i1 - i0) per = i1 - i0;
+  pd_status st = bounce_reserve(w->st, per * hb, e);
+  if (st) return st;
+  uint8_t *bounce = w->st->bounce;
+  for (size_t i = i0; i < i1; i += per) {
+    size_t m = i1 - i < per ? i1 - i : per;
+    if (!w->pack)
+      for (size_t j = 0; j < m; j++)
+        memcpy(bounce + j * hb, w->buf + (rs + (i + j) * w->seg + w->held_a - w->off), hb);
+    if ((st = stage_io(w, base, i, (int)m, 0, bounce, hb, e))) return st;
+    if (w->pack)
+      for (size_t j = 0; j < m; j++)
+        memcpy(w->buf + (rs + (i + j) * w->seg + w->held_a - w->off), bounce + j * hb, hb);
+  }
+  return PD_OK;
+}
+
+static pd_status stage_ranged(pd_kvstage *stg, const pd_kv_pages *g, const pd_kv_slice *s,
+                              const int32_t *ids, int n, size_t off, void *buf, size_t len,
+                              bool pack, pd_err *e) {
+  if (!stg) return pd_err_set(e, PD_EINVAL, "kvstage: NULL stage");
+  pd_status st = range_check(g, s, ids, n, off, buf, len, pack, e);
+  if (st || !len) return st;
+  const size_t hc = head_chunk_bytes(g);
+  int lo = s->head_begin > g->head_offset ? s->head_begin : g->head_offset;
+  int hi = s->head_end < g->head_offset + g->num_kv_heads ? s->head_end
+                                                          : g->head_offset + g->num_kv_heads;
+  if (lo >= hi) return PD_OK; /* unpack: none of these heads live here */
+  stage_walk w = {.st = stg, .pack = pack, .ids = ids,
+                  .seg = hc * (size_t)(s->head_end - s->head_begin),
+                  .held_a = (size_t)(lo - s->head_begin) * hc,
+                  .held_b = (size_t)(hi - s->head_begin) * hc,
+                  .stride = hc * (size_t)g->num_kv_heads,
+                  .coff = (size_t)(lo - g->head_offset) * hc, .buf = buf, .off = off};
+  const size_t run = w.seg * (size_t)n; /* one (layer, K/V): n segments */
+  const size_t end = off + len;
+  for (size_t t = off / run; t * run < end; t++) {
+    const size_t rs = t * run;
+    const size_t a = (off > rs ? off : rs) - rs;
+    const size_t b = (end < rs + run ? end : rs + run) - rs;
+    const int layer = s->layer_begin + (int)(t / 2);
+    void *base = t % 2 ? g->layers[layer].v : g->layers[layer].k;
+    const size_t fa = (a + w.seg - 1) / w.seg, fb = b / w.seg; /* whole segments [fa, fb) */
+    if (fa > fb) { /* the range lies inside one segment */
+      size_t i = a / w.seg;
+      st = stage_partial(&w, base, rs, i, a - i * w.seg, b - i * w.seg, e);
+    } else {
+      if (a % w.seg) st = stage_partial(&w, base, rs, a / w.seg, a % w.seg, w.seg, e);
+      if (!st) st = stage_full(&w, base, rs, fa, fb, e);
+      if (!st && b % w.seg) st = stage_partial(&w, base, rs, fb, 0, b % w.seg, e);
+    }
+    if (st) return st;
+  }
+  return PD_OK;
+}
+
+pd_status pd_kvstage_pack_range(pd_kvstage *st, const pd_kv_pages *src, const pd_kv_slice *s,
+                                const int32_t *block_ids, int n_blocks, size_t off, void *buf,
+                                size_t len, pd_err *e) {
+  return stage_ranged(st, src, s, block_ids, n_blocks, off, buf, len, true, e);
+}
+
+pd_status pd_kvstage_unpack_range(pd_kvstage *st, const pd_kv_pages *dst, const pd_kv_slice *s,
+                                  const int32_t *block_ids, int n_blocks, size_t off,
+                                  const void *buf, size_t len, pd_err *e) {
+  return stage_ranged(st, dst, s, block_ids, n_blocks, off, (void *)buf, len, false, e);
 }

@@ -118,6 +118,20 @@ void pd_node_logprob(const pd_logprobs *lp, Pd__TokenLogprob *out, Pd__TopLogpro
   out->top = k ? top_buf : NULL;
 }
 
+pd_status pd_node_kv_pack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,
+                          size_t off, void *buf, size_t len, pd_err *e) {
+  if (n->kvstage)
+    return pd_kvstage_pack_range(n->kvstage, &n->pages, s, ids, nb, off, buf, len, e);
+  return pd_kvpack_pack_range(&n->pages, s, ids, nb, off, buf, len, e);
+}
+
+pd_status pd_node_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,
+                            size_t off, const void *buf, size_t len, pd_err *e) {
+  if (n->kvstage)
+    return pd_kvstage_unpack_range(n->kvstage, &n->pages, s, ids, nb, off, buf, len, e);
+  return pd_kvpack_unpack_range(&n->pages, s, ids, nb, off, buf, len, e);
+}
+
 /* ---- sending ---- */
 
 void pd_node_send(pd_node *n, Pd__Envelope *env) {
@@ -463,12 +477,15 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
   ro.model_dir = o->model_dir;
   if ((st = pd_runtime_open(&n->rt, &ro, on_event, ev_user, e)) != PD_OK) return st;
 
-  /* the KV cache as host pages (the CPU backend's memory is host memory) */
-  if (!n->rt.be->host_memory)
-    return pd_err_set(e, PD_EUNSUPPORTED,
-                      "--device %s: cluster nodes ship KV pages from host memory; staging device "
-                      "KV through pinned buffers is not implemented yet (use --device cpu)",
-                      ro.device ? ro.device : "?");
+  /* the KV cache: host pages on the CPU backend (memcpy), device pages on a GPU (staged through
+   * the backend's kv_gather / kv_scatter and pinned host buffers) */
+  if (!n->rt.be->host_memory) {
+    n->kvstage = pd_kvstage_new(n->rt.be, 0, e);
+    if (!n->kvstage) {
+      pd_err_prefix(e, "--device %s", ro.device ? ro.device : "?");
+      return e->code;
+    }
+  }
   const pd_model_config *c = &n->rt.model->cfg;
   n->layers = calloc((size_t)c->num_layers, sizeof *n->layers);
   if (!n->layers) return pd_err_set(e, PD_ENOMEM, "out of memory");
@@ -554,6 +571,8 @@ void pd_node_close(pd_node *n) {
   n->auth = NULL;
   pd_net_ctx_free(n->zctx);
   n->zctx = NULL;
+  pd_kvstage_free(n->kvstage); /* before its backend */
+  n->kvstage = NULL;
   pd_runtime_close(&n->rt);
   free(n->layers);
   n->layers = NULL;

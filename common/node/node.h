@@ -131,8 +131,11 @@ struct pd_node {
   char model_name[256];
   uint64_t fingerprint, incarnation;
   pd_runtime rt;
-  pd_kv_pages pages;         /* the engine's KV cache as host pages */
+  pd_kv_pages pages;         /* the engine's KV cache, in backend memory: host pages on the CPU
+                                backend, device pointers on a GPU (then only pd_kvstage may
+                                touch them: use pd_node_kv_pack / pd_node_kv_unpack) */
   pd_kv_layer *layers;       /* [num_layers] backing pages.layers */
+  pd_kvstage *kvstage;       /* KV staging through the backend; NULL on host-memory backends */
   pd_wire_limits lim;        /* receive limits with this node's geometry */
   void *zctx;
   pd_curve_auth *auth;
@@ -199,6 +202,14 @@ void pd_node_geometry(const pd_node *n, Pd__KvGeometry *g);
  * entries of top_store). */
 void pd_node_logprob(const pd_logprobs *lp, Pd__TokenLogprob *out, Pd__TopLogprob **top_buf,
                      Pd__TopLogprob *top_store);
+/* Bytes [off, off + len) of the staging buffer (pd/kvpack.h) of slice s over the node's blocks
+ * ids[nb], packed from / unpacked into the node's KV cache: pd_kvpack_*_range on host-memory
+ * backends, pd_kvstage_*_range (kv_gather / kv_scatter) on devices. Same checks and errors;
+ * PD_EBACKEND when the device failed (the request should fail; the backend is not usable). */
+pd_status pd_node_kv_pack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,
+                          size_t off, void *buf, size_t len, pd_err *e);
+pd_status pd_node_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,
+                            size_t off, const void *buf, size_t len, pd_err *e);
 /* Cache-salt string -> 64-bit salt (0 for ""). */
 uint64_t pd_node_cache_salt(const char *s);
 

@@ -112,20 +112,31 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
                                          o->block_size, kv_dt);
   size_t budget = (size_t)o->kv_cache_mb << 20;
   if (gpu && !o->kv_cache_tokens && rt->be->ops.mem_info) {
-    /* vLLM's rule: weights + activations + KV within utilization * total device memory */
+    /* --gpu-memory-utilization is this process's share of the device (vLLM's per-instance
+     * rule): weights + activations + KV within utilization * total device memory, whatever
+     * other processes on the device hold, so nodes sharing one GPU each take their share.
+     * The share must fit in what is free now. */
     size_t free_b = 0, total_b = 0, weights = 0;
     rt->be->ops.mem_info(rt->be, &free_b, &total_b);
     for (size_t i = 0; i < pd_st_count(rt->model->st); i++) weights += pd_st_at(rt->model->st, i)->nbytes;
     size_t acts = (size_t)o->max_batch_tokens *
                   ((size_t)c->vocab_size + 10 * (size_t)c->hidden_size + 3 * (size_t)c->intermediate_size) *
                   sizeof(float);
-    double want = o->gpu_memory_utilization * (double)total_b - (double)(total_b - free_b) -
-                  (double)weights - (double)acts - (double)(256u << 20);
+    double fixed = (double)weights + (double)acts + (double)(256u << 20);
+    double want = o->gpu_memory_utilization * (double)total_b - fixed;
     if (o->gpu_memory_utilization <= 0 || o->gpu_memory_utilization > 1 || want <= 0) {
       pd_err_set(e, PD_EINVAL,
                  "--gpu-memory-utilization %.2f leaves no room for the KV cache (%.1f GiB free, "
                  "%.1f GiB of weights)",
                  o->gpu_memory_utilization, free_b / 1073741824.0, weights / 1073741824.0);
+      goto fail;
+    }
+    if (want > (double)free_b - fixed) {
+      pd_err_set(e, PD_EINVAL,
+                 "--gpu-memory-utilization %.2f asks for %.1f GiB but %.1f GiB of the device are "
+                 "free (other processes hold the rest): lower it",
+                 o->gpu_memory_utilization, o->gpu_memory_utilization * total_b / 1073741824.0,
+                 free_b / 1073741824.0);
       goto fail;
     }
     budget = (size_t)want;

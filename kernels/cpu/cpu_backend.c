@@ -468,6 +468,34 @@ static void cpu_kv_write(pd_backend *be, const pd_kv_layer *kv, const pd_kv_shap
   run(c, kvw_task, &w, (M + w.per - 1) / w.per, parallel);
 }
 
+/* KV staging (backend.h): the cache is host memory, so a segment is one memcpy. The same calls as
+ * on a device, so the staging code (pd/kvpack.h, pd_kvstage) runs and is tested without a GPU. */
+static void kv_stage_check(const void *host, const void *base, const int32_t *ids, int n) {
+  PD_ASSERT(n >= 0);
+  PD_ASSERT(n == 0 || (host && base && ids));
+  for (int i = 0; i < n; i++) PD_ASSERT(ids[i] >= 0);
+}
+
+static void cpu_kv_gather(pd_backend *be, void *host, const void *base, const int32_t *ids, int n,
+                          size_t stride, size_t offset, size_t seg_bytes) {
+  (void)be;
+  kv_stage_check(host, base, ids, n);
+  if (!seg_bytes) return;
+  for (int i = 0; i < n; i++)
+    memcpy((char *)host + (size_t)i * seg_bytes,
+           (const char *)base + (size_t)ids[i] * stride + offset, seg_bytes);
+}
+
+static void cpu_kv_scatter(pd_backend *be, void *base, const void *host, const int32_t *ids,
+                           int n, size_t stride, size_t offset, size_t seg_bytes) {
+  (void)be;
+  kv_stage_check(host, base, ids, n);
+  if (!seg_bytes) return;
+  for (int i = 0; i < n; i++)
+    memcpy((char *)base + (size_t)ids[i] * stride + offset,
+           (const char *)host + (size_t)i * seg_bytes, seg_bytes);
+}
+
 /* ---- attention ------------------------------------------------------------------------------- */
 
 typedef struct attn_ctx {
@@ -638,6 +666,8 @@ pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e) {
       .get_rows = cpu_get_rows,
       .add = cpu_add,
       .destroy = cpu_destroy,
+      .kv_gather = cpu_kv_gather,
+      .kv_scatter = cpu_kv_scatter,
   };
   c->k = k;
   c->nt = nt;

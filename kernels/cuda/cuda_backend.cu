@@ -19,7 +19,7 @@
 namespace {
 
 constexpr size_t kBlasWorkspace = (size_t)32 << 20; /* cuBLAS' recommendation for Hopper */
-constexpr size_t kPinnedChunk = (size_t)8 << 20;    /* two of these stage device-to-host copies */
+constexpr size_t kPinnedChunk = PD_CUDA_PIN_BYTES; /* two of these stage device-to-host copies */
 constexpr size_t kXconvInitial = (size_t)16 << 20;  /* bf16 x for cuBLAS: 2048 x 4096 tokens */
 constexpr size_t kAttnWorkspace = (size_t)64 << 20; /* attention split partials */
 constexpr int kTilesInitial = 4096;                  /* tile prefix sums: sequences + 1 */
@@ -395,23 +395,30 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
     CK_LAUNCH(c, "attention (generic)");
     return;
   }
-  /* PD_CUDA_DECODE_ATTN=tc runs decode batches on the tensor-core (prefill) kernel: a
-   * measurement switch for the benchmarks. */
-  static int decode_tc = -1;
-  if (decode_tc < 0) {
+  /* PD_CUDA_DECODE_ATTN=simt | prefill picks another kernel for decode batches than the default
+   * (tensor cores for 16-bit caches, SIMT otherwise): a measurement switch for the benchmarks. */
+  static int decode_kind = -1; /* 0 default, 1 simt, 2 prefill */
+  if (decode_kind < 0) {
     const char *ev = getenv("PD_CUDA_DECODE_ATTN");
-    decode_tc = ev && strcmp(ev, "tc") == 0;
+    decode_kind = !ev ? 0 : !strcmp(ev, "simt") ? 1 : !strcmp(ev, "prefill") ? 2 : 0;
   }
-  if (b->n_tokens == b->n_seqs && !decode_tc) {
+  if (b->n_tokens == b->n_seqs && decode_kind != 2) {
     /* Pure decode: every sequence brings exactly one token (each brings at least one). */
     int span = a.max_ctx_len;
     if (a.window > 0 && a.window < span) span = a.window;
-    const int maxg = pd_cuda_attn_decode_heads(a.group);
-    long long blocks = (long long)a.n_seqs * a.n_kv_heads * ((a.group + maxg - 1) / maxg);
-    choose_splits(c, &a, blocks, 8LL * c->n_sm, span, 256, 64);
-    if (a.n_splits > 1) a.split_len = 0; /* per sequence: see pd_cuda_attn */
-    pd_cuda_attn_decode(c->st, &a);
-    CK_LAUNCH(c, "attention (decode)");
+    if (decode_kind == 0 && pd_cuda_attn_decode_tc_ok(&a)) {
+      choose_splits(c, &a, (long long)a.n_seqs * a.n_kv_heads, 6LL * c->n_sm, span, 256, 64);
+      if (a.n_splits > 1) a.split_len = 0; /* per sequence: see pd_cuda_attn */
+      pd_cuda_attn_decode_tc(c->st, &a);
+      CK_LAUNCH(c, "attention (decode, tensor cores)");
+    } else {
+      const int maxg = pd_cuda_attn_decode_heads(a.group);
+      long long blocks = (long long)a.n_seqs * a.n_kv_heads * ((a.group + maxg - 1) / maxg);
+      choose_splits(c, &a, blocks, 8LL * c->n_sm, span, 256, 64);
+      if (a.n_splits > 1) a.split_len = 0; /* per sequence: see pd_cuda_attn */
+      pd_cuda_attn_decode(c->st, &a);
+      CK_LAUNCH(c, "attention (decode)");
+    }
   } else {
     int span = a.max_ctx_len;
     if (a.window > 0 && (long long)a.window + PD_CUDA_ATTN_BM < span)

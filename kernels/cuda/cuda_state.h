@@ -8,6 +8,10 @@
 
 #include "cuda_internal.h"
 
+/* Bytes of each of the two pinned staging buffers cuda_impl.pin (cuda_backend.cu allocates them
+ * with its kPinnedChunk, which must equal this). */
+#define PD_CUDA_PIN_BYTES ((size_t)8 << 20)
+
 struct cuda_impl {
   int dev;
   int n_sm;
@@ -20,7 +24,8 @@ struct cuda_impl {
   size_t attn_ws_size;
   int32_t *tiles;
   int tiles_cap;
-  void *pin[2];
+  void *pin[2]; /* pinned staging, PD_CUDA_PIN_BYTES each (both NULL when unavailable); used
+                 * only inside one op, which leaves no copy pending on them when it returns */
   cudaEvent_t pin_ev[2];
   bool capturing; /* a graph capture is open on st: nothing may sync or grow */
   /* device sampling (cuda_sample.cu) */

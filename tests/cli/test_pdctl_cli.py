@@ -4,7 +4,8 @@
   generate --prompt-ids/--prompt --json --temperature 0 --ignore-eos equals the golden greedy ids,
   --dump-logits equals the golden last logits, --chat applies the template, tokenize matches the
   golden tokenizer reference, the offline batch mode keeps input order, reports malformed lines
-  and runs the rest, and bad command lines exit non-zero with a message.
+  and runs the rest, devices reports the CPU kernels and CUDA devices, and bad command lines
+  exit non-zero with a message.
 """
 import json
 import os
@@ -129,6 +130,15 @@ with tempfile.TemporaryDirectory() as tmp:
               for ch in res[3]["choices"]), "logprobs with 2 alternatives")
     check(res[4]["usage"]["prompt_tokens"] > 0 and "text" in res[4], "chat line")
 
+# devices: the CPU kernel family and the CUDA device count (what GPU tests skip on)
+r = pdctl("devices", "--json")
+dev = json.loads(r.stdout) if r.returncode == 0 else {}
+check(dev.get("cpu_isa") in ("avx512", "avx2", "generic") and
+      isinstance(dev.get("cuda_devices"), int) and dev["cuda_devices"] >= 0,
+      "devices --json: %r %s" % (r.stdout, r.stderr))
+r = pdctl("devices")
+check(r.returncode == 0 and "cuda" in r.stdout, "devices: " + r.stdout + r.stderr)
+
 # bad command lines: non-zero exit and a message, never a crash
 for args in (["generate"], ["generate", "--model", MODEL],
              ["generate", "--model", "/nonexistent", "--prompt", "x"],
@@ -138,7 +148,7 @@ for args in (["generate"], ["generate", "--model", MODEL],
              ["generate", "--model", MODEL, "--prompt-ids", "99999"],
              ["generate", "--model", MODEL, "--prompt", "x", "--max-tokens", "100000"],
              ["generate", "--model", MODEL, "--prompt", "x", "--bogus"],
-             ["tokenize", "--model", MODEL], ["nonsense"]):
+             ["tokenize", "--model", MODEL], ["devices", "--bogus"], ["nonsense"]):
     r = pdctl(*args)
     check(r.returncode not in (0,) and r.returncode > 0 and "pdctl" in r.stderr + r.stdout,
           "rejects %s (rc %d)" % (" ".join(args[1:3]), r.returncode))

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """pdctl cluster up / status / down: real processes start and stop, pid and log files, health,
-a refused second start, a startup failure that reports the log and leaves nothing behind."""
+a refused second start, a startup failure that reports the log and leaves nothing behind, bad
+device flags refused up front."""
 import json
 import os
 import time
@@ -84,6 +85,14 @@ def scenario(args):
         time.sleep(0.2)
         assert procs_in(c.run_dir) == [], procs_in(c.run_dir)
         assert not [f for f in os.listdir(c.run_dir) if f.endswith(".pid")]
+
+    # device flags: a bad device is refused before anything starts
+    for bad in (["--device", "tpu"], ["--decode-device", "cuda:x"], ["--prefill-device", "cuda:0,"],
+                ["--device", "cpu", "--gpu-memory-utilization", "1.5"]):
+        with Cluster(args, extra=bad) as c:
+            p = c.up(check=1, timeout=60)
+            assert "pdctl:" in p.stderr and "starting" not in p.stderr, (bad, p.stderr)
+            assert procs_in(c.run_dir) == [], procs_in(c.run_dir)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,10 @@
  * so a transfer can be cut into frames of bounded size and each frame unpacked on arrival
  * without reassembly.
  *
- * The caches are host memory here (the CPU backend, or a host mirror); the CUDA backend packs
- * with its own kernels into the same layout. Nothing allocates. Thread-safe on disjoint data. */
+ * The pd_kvpack_* functions read and write caches in host memory (the CPU backend, or a host
+ * mirror); nothing allocates; thread-safe on disjoint data. Caches in device memory go through a
+ * pd_kvstage (below), which produces and consumes the same bytes with the backend's kv_gather /
+ * kv_scatter ops, so either side of a transfer may be a CPU or a GPU node. */
 #ifndef PD_KVPACK_H
 #define PD_KVPACK_H
 
@@ -41,7 +43,7 @@
 extern "C" {
 #endif
 
-/* One side's paged KV cache in host memory. */
+/* One side's paged KV cache: host memory for pd_kvpack_*, backend memory for pd_kvstage_*. */
 typedef struct pd_kv_pages {
   pd_kv_layer *layers; /* [num_layers]; k, v: [num_blocks, num_kv_heads, block_size, head_dim] */
   int num_layers;
@@ -95,6 +97,56 @@ pd_status pd_kvpack_pack_range(const pd_kv_pages *src, const pd_kv_slice *s,
 pd_status pd_kvpack_unpack_range(const pd_kv_pages *dst, const pd_kv_slice *s,
                                  const int32_t *block_ids, int n_blocks, size_t off,
                                  const void *buf, size_t len, pd_err *e);
+
+/* ---- caches in backend memory (GPU nodes) ----
+ *
+ * A pd_kvstage packs and unpacks byte ranges of the staging buffer above for a cache whose layer
+ * pointers are memory of its backend (device memory on CUDA), with the same arguments, checks and
+ * results as pd_kvpack_pack_range / pd_kvpack_unpack_range. `buf` is host memory (a ZeroMQ frame;
+ * ordinary pageable memory is fine).
+ *
+ * In the staging buffer, the n_blocks segments of one (layer, K/V) form one contiguous run of
+ * n_blocks * segment_bytes, and in the cache each segment is one contiguous run too (heads are
+ * outermost in a block): segment i lies at k_or_v + block_ids[i] * block_bytes + (first head's
+ * offset). So the part of a run inside [off, off + len) costs:
+ *   - ONE kv_gather / kv_scatter of all its whole segments, straight to or from buf
+ *     (stride = block_bytes, offset = first head's byte offset, seg_bytes = segment_bytes);
+ *   - at most two more, of one segment each, for a segment cut by the range's ends (the ops
+ *     take any offset and size, so a cut segment moves just its bytes, also straight to buf).
+ * A layer chunk of L layers is therefore 2 L calls (+2 at frame cuts), whatever n_blocks is; on
+ * CUDA each call is an id upload, a copy kernel into device staging and one device-to-host
+ * copy (or the reverse), at PCIe speed also for pageable buf (the backend stages it through its
+ * pinned buffers).
+ *
+ * Head resharding (unpack into a cache holding only some of the slice's heads): the held heads
+ * are a strided sub-run of each staging segment, so the held parts are first compacted into a
+ * bounce buffer owned by the pd_kvstage (page-locked from be->ops.host_alloc when the backend has
+ * it, else malloc; allocated at the first such transfer, at most bounce_bytes long unless one
+ * segment needs more), then scattered in batches: one call per bounce-full.
+ *
+ * Errors: the argument and geometry errors of the host functions (PD_EINVAL, PD_ERANGE), before
+ * anything is copied; PD_EUNSUPPORTED for a backend without kv_gather / kv_scatter; PD_EBACKEND
+ * when the backend reports a failure of its ops (CUDA: pd_backend_cuda_status, which is sticky:
+ * the backend should be treated as failed). A failed unpack may have written part of the range.
+ * A pd_kvstage is used by one thread at a time, the thread that uses its backend. */
+typedef struct pd_kvstage pd_kvstage;
+
+/* A stage for backend be (which must outlive it). bounce_bytes: bounce buffer size for head
+ * resharding (0 = 4 MiB). NULL with e set when be has no kv_gather / kv_scatter or on ENOMEM. */
+pd_kvstage *pd_kvstage_new(pd_backend *be, size_t bounce_bytes, pd_err *e);
+void pd_kvstage_free(pd_kvstage *st);
+
+/* pd_kvpack_pack_range for a cache in st's backend memory: bytes [off, off + len) of the slice's
+ * buffer to buf (host). */
+pd_status pd_kvstage_pack_range(pd_kvstage *st, const pd_kv_pages *src, const pd_kv_slice *s,
+                                const int32_t *block_ids, int n_blocks, size_t off, void *buf,
+                                size_t len, pd_err *e);
+/* pd_kvpack_unpack_range for a cache in st's backend memory: buf (host, len bytes) is bytes
+ * [off, off + len) of the slice's buffer; heads dst does not hold are skipped. Returns when buf
+ * may be reused. */
+pd_status pd_kvstage_unpack_range(pd_kvstage *st, const pd_kv_pages *dst, const pd_kv_slice *s,
+                                  const int32_t *block_ids, int n_blocks, size_t off,
+                                  const void *buf, size_t len, pd_err *e);
 
 #ifdef __cplusplus
 }
