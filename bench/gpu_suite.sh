@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # pdserve's GPU tests and benchmarks in one pass, for a CUDA machine that has the driver and the
 # CUDA toolkit but none of the build dependencies: run from the repository root with a bundle of
-# prebuilt programs (bin/: pdctl, test_cuda_ops, test_cuda_golden, pd-bench-cuda; lib/: their
-# non-glibc shared libraries), e.g. one made by deploy/bundle.sh.
+# prebuilt programs (bin/: pdctl, pd-router, pd-prefill, pd-decode, the test_cuda_* tests,
+# pd-bench-cuda; lib/: their non-glibc shared libraries), e.g. one made by bench/pack_dev.sh.
 #
 #   bench/gpu_suite.sh BUNDLE_DIR [quick]
 #
@@ -19,11 +19,20 @@ run() { "$@"; echo "--- exit $?"; }
 step machine
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 step test_cuda_ops;    run "$D/bin/test_cuda_ops"
-step compute-sanitizer memcheck; run compute-sanitizer --tool memcheck --error-exitcode 9 "$D/bin/test_cuda_ops" small
+step test_cuda_sample; run "$D/bin/test_cuda_sample"
+step test_cuda_kvstage; run "$D/bin/test_cuda_kvstage"
+step compute-sanitizer memcheck
+run compute-sanitizer --tool memcheck --error-exitcode 9 "$D/bin/test_cuda_ops" small
+run compute-sanitizer --tool memcheck --error-exitcode 9 "$D/bin/test_cuda_sample" small
+run compute-sanitizer --tool memcheck --error-exitcode 9 "$D/bin/test_cuda_kvstage"
 for m in pycoder-12m pycoder-draft-2m pycoder-qwen2-4m tiny-random-llama31; do
   step "test_cuda_golden $m"; run "$D/bin/test_cuda_golden" "$m"
 done
+step "GPU cluster (test_cluster_gpu)"
+run timeout 400 python3 tests/integration/test_cluster_gpu.py --pdctl "$D/bin/pdctl" --repo "$PWD"
 step pd-bench-cuda;    run "$D/bin/pd-bench-cuda"
+step "decode attention on the SIMT kernel (PD_CUDA_DECODE_ATTN=simt)"
+PD_CUDA_DECODE_ATTN=simt "$D/bin/pd-bench-cuda" 2>&1 | grep -E "decode attn|^\| what|^\|---"
 [ "$quick" = quick ] && exit 0
 
 step make-model llama3-8b

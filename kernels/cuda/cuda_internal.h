@@ -140,6 +140,10 @@ typedef struct pd_cuda_attn {
 bool pd_cuda_attn_tuned_hd(int head_dim);
 /* Decode (every sequence has exactly one new token): grid over (sequence, KV head, split). */
 void pd_cuda_attn_decode(cudaStream_t st, const pd_cuda_attn *a);
+/* The tensor-core decode kernel (cuda_attn_decode_tc.cu): 16-bit caches, group <= 16, tuned
+ * head dims; grid over (sequence, KV head, split), all heads of a group in one block. */
+bool pd_cuda_attn_decode_tc_ok(const pd_cuda_attn *a);
+void pd_cuda_attn_decode_tc(cudaStream_t st, const pd_cuda_attn *a);
 /* Heads one decode block handles (its query-head chunk) for this group size. */
 int pd_cuda_attn_decode_heads(int group);
 /* Prefill / mixed batches: tiles of PD_CUDA_ATTN_BM (token, head) rows. */

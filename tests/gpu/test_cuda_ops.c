@@ -178,7 +178,8 @@ static void test_matmuls(void) {
                                {3, 333, 80},      {4, 11003, 64},   {5, 4000, 4001},
                                {8, 14336, 4096},  {7, 130, 11000},  {9, 4000, 4096},
                                {33, 11003, 4000}, {300, 1024, 11003}, {4096, 256, 512},
-                               {1, 128256 / 4, 4096}};
+                               {1, 128256 / 4, 4096}, {1, 1000, 16384}, {2, 2000, 8192},
+                               {1, 6144, 4096}};
   static const int small[][3] = {{1, 300, 256}, {3, 77, 100}, {8, 64, 4001}, {9, 130, 96},
                                  {40, 64, 200}};
   int n = g_small ? (int)(sizeof small / sizeof small[0]) : (int)(sizeof big / sizeof big[0]);
@@ -367,8 +368,10 @@ static void test_fused(void) {
         g_gpu->ops.matmul_glu(g_gpu, dact, dgu, dx, dw, wdt, db, M, F, K);
         float *act = down(dact, (size_t)M * F * 4);
         double err = rel_err(act, ref, (size_t)M * F);
-        CHECKF(err < (wdt == PD_DTYPE_F32 ? 2e-3 : 2e-4), "matmul_glu M=%d F=%d K=%d %s bias=%d: %.3g",
-               M, F, K, dtn(wdt), wb, err);
+        /* as test_matmul: GEMV paths are f32 throughout; M > 8 rounds x for cuBLAS */
+        const double tol = M <= 8 ? 2e-4 : (wdt == PD_DTYPE_F32 ? 5e-3 : 1.5e-2);
+        CHECKF(err < tol, "matmul_glu M=%d F=%d K=%d %s bias=%d: %.3g", M, F, K, dtn(wdt), wb,
+               err);
         free(w);
         free(x);
         free(b);
@@ -590,16 +593,20 @@ static void test_attention(void) {
   const int scale = g_small ? 8 : 1; /* contexts shrink by this in small mode */
 
   /* decode: ragged contexts (one of 1 token, one past 4096), every head layout and dtype */
-  static const int layouts[][3] = {{32, 8, 128}, {6, 2, 64}, {8, 8, 80}, {16, 2, 64}, {24, 2, 128}};
+  /* 16-bit caches run on the tensor-core kernel (bf16 / f16 Q and P: tol_tc) up to 16 heads a
+   * group; F32 caches and the 20-head group run on the SIMT kernel (f32 math). */
+  static const int layouts[][3] = {{32, 8, 128}, {6, 2, 64},   {8, 8, 80},
+                                   {16, 2, 64},  {24, 2, 128}, {40, 2, 64}};
   int S = g_small ? 9 : 37;
   for (int s = 0; s < S; s++) {
     n_new[s] = 1;
     ctx[s] = s == 0 ? 1 : s == 1 ? 4200 / scale : 1 + irand(3000 / scale);
   }
-  for (int l = 0; l < 5; l++)
+  for (int l = 0; l < 6; l++)
     for (int d = 0; d < 3; d++) {
+      const bool tc = k_dts[d] != PD_DTYPE_F32 && layouts[l][0] / layouts[l][1] <= 16;
       attn_case c = {"decode", S, n_new, ctx, layouts[l][0], layouts[l][1], layouts[l][2],
-                     (l + d) % 2 ? 32 : 16, k_dts[d], 0, tol_f32};
+                     (l + d) % 2 ? 32 : 16, k_dts[d], 0, tc ? tol_tc : tol_f32};
       run_attn(&c);
       if (d == 2) {
         c.window = 500 / scale;
@@ -614,7 +621,7 @@ static void test_attention(void) {
     ctx[s] = 1 + irand(100);
   }
   {
-    attn_case c = {"decode many", S, n_new, ctx, 8, 2, 128, 16, PD_DTYPE_BF16, 0, tol_f32};
+    attn_case c = {"decode many", S, n_new, ctx, 8, 2, 128, 16, PD_DTYPE_BF16, 0, tol_tc};
     run_attn(&c);
   }
 

@@ -1,0 +1,316 @@
+/* Paged decode attention on tensor cores for 16-bit KV caches (bf16 / f16): one new token per
+ * sequence, grouped-query aware.
+ *
+ * A block owns one sequence, one KV head and one split of its context, and computes all G query
+ * heads of the group at once (G <= 16: the rows of one m16n8k16 tile, padded with zero rows).
+ * The context is walked in tiles of 64 keys, double-buffered in shared memory with cp.async
+ * (16-byte copies straight from the cache pages found through the block table, so a tile's
+ * loads are all in flight before any is waited for). Each of the 4 warps takes 16 keys of a tile:
+ * S = Q K^T (K's B fragments read from shared memory), an online softmax in the log2 domain in
+ * registers, then O += P V with P repacked in registers as the A operand and V's B fragments from
+ * ldmatrix.trans. The 4 warps' (m, l, O) are merged through shared memory at the end; the block
+ * writes the normalised output (one split) or the unnormalised partial and (m, l) for the merge
+ * kernel, in the same convention as the SIMT decode kernel (cuda_attn_decode.cu). */
+#include <math.h>
+
+#include "cuda_internal.h"
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = 4;
+constexpr int BN = 64; /* keys per tile: 16 per warp */
+
+template <typename KT> struct tc;
+template <> struct tc<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+  }
+  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct tc<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+  }
+  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void *p) {
+  uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+/* 16 bytes global -> shared, asynchronous; src_bytes 0 writes zeros. */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
+  uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t lds32(const void *p) {
+  return *reinterpret_cast<const uint32_t *>(p);
+}
+
+template <int HD> struct tc_geom {
+  static constexpr int LD = HD + 8;           /* smem row stride in elements */
+  static constexpr int CPR = HD * 2 / 16;     /* 16-byte chunks per row */
+  static constexpr int STAGE = 2 * BN * LD;   /* K then V, elements */
+  static constexpr size_t SMEM_TILES = (size_t)2 * STAGE * 2;           /* two stages, bytes */
+  static constexpr size_t SMEM_MERGE = (size_t)kWarps * 16 * (HD + 2) * 4; /* O, m, l */
+  static constexpr size_t SMEM = SMEM_TILES > SMEM_MERGE ? SMEM_TILES : SMEM_MERGE;
+};
+
+template <int HD, typename KT>
+__global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_attn a) {
+  using G_ = tc_geom<HD>;
+  constexpr int LD = G_::LD, CPR = G_::CPR, KS = HD / 16, DT = HD / 8;
+  static_assert(HD % 16 == 0 && DT % 2 == 0, "head dim must be a multiple of 16");
+  extern __shared__ __align__(16) unsigned char smem[];
+  KT *tiles = reinterpret_cast<KT *>(smem);
+  __shared__ __align__(16) KT sQ[16 * LD];
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, lg = lane >> 2, lt = lane & 3;
+  const int s = blockIdx.x, g = blockIdx.y, split = blockIdx.z;
+  const int G = a.group, nq = a.n_q_heads, nkv = a.n_kv_heads, bs = a.block_size;
+  const int t = a.q_start[s];
+  const int L = a.ctx_len[s];
+  const int lo = a.window > 0 && L - a.window > 0 ? L - a.window : 0;
+  long long sl = a.split_len;
+  if (sl <= 0) {
+    sl = ((long long)(L - lo) + a.n_splits - 1) / a.n_splits;
+    sl = sl < 64 ? 64 : (sl + 63) / 64 * 64;
+  }
+  const long long kb_l = (long long)lo + (long long)split * sl;
+  const int kbeg = kb_l < L ? (int)kb_l : L;
+  const int kend = kb_l + sl < L ? (int)(kb_l + sl) : L;
+  const size_t qrow0 = (size_t)t * nq + (size_t)g * G; /* first query row of the group */
+
+  if (kbeg >= kend) { /* an empty split (n_splits > 1 only) */
+    if (tid < G)
+      a.part_ml[(size_t)split * a.n_tokens * nq + qrow0 + tid] = make_float2(-INFINITY, 0.0f);
+    return;
+  }
+
+  /* Q rows (scaled into the log2 domain), zero rows past G */
+  const float qscale = a.scale * PD_LOG2E;
+  for (int i = tid; i < 16 * (HD / 2); i += kThreads) {
+    const int r = i / (HD / 2), d = (i - r * (HD / 2)) * 2;
+    float2 v = make_float2(0.0f, 0.0f);
+    if (r < G) v = *reinterpret_cast<const float2 *>(a.q + (qrow0 + r) * HD + d);
+    *reinterpret_cast<uint32_t *>(&sQ[r * LD + d]) = tc<KT>::pack(v.x * qscale, v.y * qscale);
+  }
+
+  const KT *kc = static_cast<const KT *>(a.k), *vc = static_cast<const KT *>(a.v);
+  const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
+  const int n_tiles = (kend - kbeg + BN - 1) / BN;
+
+  auto load_tile = [&](int tile, int stage) {
+    KT *sk = tiles + stage * G_::STAGE, *sv = sk + BN * LD;
+    const int k0 = kbeg + tile * BN;
+    for (int i = tid; i < BN * CPR; i += kThreads) {
+      const int r = i / CPR, c = i - r * CPR, kp = k0 + r;
+      const bool ok = kp < kend;
+      const size_t off =
+          ok ? (((size_t)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD + (size_t)c * 8 : 0;
+      cp_async16(&sk[r * LD + c * 8], kc + off, ok ? 16 : 0);
+      cp_async16(&sv[r * LD + c * 8], vc + off, ok ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+
+  load_tile(0, 0);
+  __syncthreads(); /* sQ */
+  uint32_t qa[KS][4];
+#pragma unroll
+  for (int ks = 0; ks < KS; ks++) {
+    qa[ks][0] = lds32(&sQ[lg * LD + ks * 16 + lt * 2]);
+    qa[ks][1] = lds32(&sQ[(lg + 8) * LD + ks * 16 + lt * 2]);
+    qa[ks][2] = lds32(&sQ[lg * LD + ks * 16 + lt * 2 + 8]);
+    qa[ks][3] = lds32(&sQ[(lg + 8) * LD + ks * 16 + lt * 2 + 8]);
+  }
+
+  float o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+  float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
+
+  for (int tile = 0; tile < n_tiles; tile++) {
+    if (tile + 1 < n_tiles) {
+      load_tile(tile + 1, (tile + 1) & 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const KT *sk = tiles + (tile & 1) * G_::STAGE, *sv = sk + BN * LD;
+    const int kw = warp * 16;                     /* this warp's keys in the tile */
+    const int kp0 = kbeg + tile * BN + kw;        /* position of its first key */
+
+    float sa[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+      sa[nt][0] = sa[nt][1] = sa[nt][2] = sa[nt][3] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ks++) {
+        const KT *kr = &sk[(kw + nt * 8 + lg) * LD + ks * 16 + lt * 2];
+        tc<KT>::mma(sa[nt], qa[ks], lds32(kr), lds32(kr + 8));
+      }
+    }
+    float mxA = -INFINITY, mxB = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const bool ok = kp0 + nt * 8 + lt * 2 + e < kend;
+        sa[nt][e] = ok ? sa[nt][e] : -INFINITY;
+        sa[nt][2 + e] = ok ? sa[nt][2 + e] : -INFINITY;
+        mxA = fmaxf(mxA, sa[nt][e]);
+        mxB = fmaxf(mxB, sa[nt][2 + e]);
+      }
+    mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+    mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+    const float mnA = fmaxf(mA, mxA), mnB = fmaxf(mB, mxB);
+    const float muA = mnA == -INFINITY ? 0.0f : mnA, muB = mnB == -INFINITY ? 0.0f : mnB;
+    const float corrA = exp2f(mA - muA), corrB = exp2f(mB - muB);
+    mA = mnA;
+    mB = mnB;
+    float sumA = 0.0f, sumB = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+      sa[nt][0] = exp2f(sa[nt][0] - muA);
+      sa[nt][1] = exp2f(sa[nt][1] - muA);
+      sa[nt][2] = exp2f(sa[nt][2] - muB);
+      sa[nt][3] = exp2f(sa[nt][3] - muB);
+      sumA += sa[nt][0] + sa[nt][1];
+      sumB += sa[nt][2] + sa[nt][3];
+    }
+    lA = lA * corrA + sumA;
+    lB = lB * corrB + sumB;
+    uint32_t pa[4];
+    pa[0] = tc<KT>::pack(sa[0][0], sa[0][1]);
+    pa[1] = tc<KT>::pack(sa[0][2], sa[0][3]);
+    pa[2] = tc<KT>::pack(sa[1][0], sa[1][1]);
+    pa[3] = tc<KT>::pack(sa[1][2], sa[1][3]);
+#pragma unroll
+    for (int dt = 0; dt < DT; dt += 2) {
+      o[dt][0] *= corrA;
+      o[dt][1] *= corrA;
+      o[dt][2] *= corrB;
+      o[dt][3] *= corrB;
+      o[dt + 1][0] *= corrA;
+      o[dt + 1][1] *= corrA;
+      o[dt + 1][2] *= corrB;
+      o[dt + 1][3] *= corrB;
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, &sv[(kw + (lane & 15)) * LD + dt * 8 + (lane >> 4) * 8]);
+      tc<KT>::mma(o[dt], pa, vb[0], vb[1]);
+      tc<KT>::mma(o[dt + 1], pa, vb[2], vb[3]);
+    }
+    __syncthreads(); /* the stage is refilled next */
+  }
+
+  /* merge the 4 warps: O, m, l per row through shared memory (the tiles are done with) */
+  lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+  lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+  lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+  lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+  float *sO = reinterpret_cast<float *>(smem);             /* [warp][16][HD] */
+  float *sM = sO + kWarps * 16 * HD, *sL = sM + kWarps * 16; /* [warp][16] */
+#pragma unroll
+  for (int dt = 0; dt < DT; dt++) {
+    const int d = dt * 8 + lt * 2;
+    *reinterpret_cast<float2 *>(&sO[(warp * 16 + lg) * HD + d]) = make_float2(o[dt][0], o[dt][1]);
+    *reinterpret_cast<float2 *>(&sO[(warp * 16 + lg + 8) * HD + d]) =
+        make_float2(o[dt][2], o[dt][3]);
+  }
+  if (lt == 0) {
+    sM[warp * 16 + lg] = mA;
+    sM[warp * 16 + lg + 8] = mB;
+    sL[warp * 16 + lg] = lA;
+    sL[warp * 16 + lg + 8] = lB;
+  }
+  __syncthreads();
+  for (int i = tid; i < G * HD; i += kThreads) {
+    const int r = i / HD, d = i - r * HD;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; w++) M = fmaxf(M, sM[w * 16 + r]);
+    float num = 0.0f, den = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; w++) {
+      const float mw = sM[w * 16 + r];
+      const float wt = mw == -INFINITY ? 0.0f : exp2f(mw - M);
+      num += wt * sO[(w * 16 + r) * HD + d];
+      den += wt * sL[w * 16 + r];
+    }
+    if (a.n_splits == 1) {
+      a.out[(qrow0 + r) * HD + d] = num / den;
+    } else {
+      const size_t sb = (size_t)split * a.n_tokens * nq;
+      a.part_o[(sb + qrow0 + r) * HD + d] = num;
+      if (d == 0) a.part_ml[sb + qrow0 + r] = make_float2(M, den);
+    }
+  }
+}
+
+template <int HD, typename KT> void launch_hd(cudaStream_t st, const pd_cuda_attn *a) {
+  const size_t smem = tc_geom<HD>::SMEM;
+  /* the dynamic shared memory opt-in, once per device and instantiation */
+  static unsigned long long configured = 0;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const unsigned long long bit = 1ull << (dev & 63);
+  if (!(configured & bit)) {
+    cudaFuncSetAttribute(attn_decode_tc_kernel<HD, KT>,
+                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    configured |= bit;
+  }
+  dim3 grid((unsigned)a->n_seqs, (unsigned)a->n_kv_heads, (unsigned)a->n_splits);
+  attn_decode_tc_kernel<HD, KT><<<grid, kThreads, smem, st>>>(*a);
+}
+
+template <typename KT> void launch_kt(cudaStream_t st, const pd_cuda_attn *a) {
+  switch (a->head_dim) {
+  case 64: launch_hd<64, KT>(st, a); break;
+  case 80: launch_hd<80, KT>(st, a); break;
+  default: launch_hd<128, KT>(st, a); break;
+  }
+}
+
+} // namespace
+
+bool pd_cuda_attn_decode_tc_ok(const pd_cuda_attn *a) {
+  return (a->kv_dtype == PD_DTYPE_BF16 || a->kv_dtype == PD_DTYPE_F16) && a->group >= 1 &&
+         a->group <= 16 && (a->head_dim == 64 || a->head_dim == 80 || a->head_dim == 128);
+}
+
+void pd_cuda_attn_decode_tc(cudaStream_t st, const pd_cuda_attn *a) {
+  if (a->kv_dtype == PD_DTYPE_BF16)
+    launch_kt<__nv_bfloat16>(st, a);
+  else
+    launch_kt<__half>(st, a);
+}
