@@ -9,8 +9,9 @@
  *
  * Per block, 4 warps of 16 rows: Q is staged through shared memory into bf16 A fragments held in
  * registers; then for each tile of BN = 64 keys in the row range's causal / sliding-window span
- * (and in this block's split of it), K and V rows are fetched through the block table (16-byte
- * loads, converted to bf16 from the cache dtype) into shared memory, S = Q K^T runs on the tensor
+ * (and in this block's split of it), K and V rows are fetched through the block table into
+ * shared memory (bf16 caches: cp.async 16-byte copies, double-buffered so that the next tile is
+ * in flight while this one is computed; f16 / f32 caches: 16-byte loads converted to bf16), S = Q K^T runs on the tensor
  * cores, the mask and an online softmax (log2 domain) are applied in registers, P is repacked
  * in registers as the A operand of O += P V, V's B fragments coming from ldmatrix.trans.
  * Finally O / l is written (one split) or O and (m, l) go to the split partials. */
@@ -50,15 +51,34 @@ __device__ __forceinline__ uint32_t lds32(const __nv_bfloat16 *p) {
   return *reinterpret_cast<const uint32_t *>(p);
 }
 
+/* 16 bytes global -> shared, asynchronous; src_bytes 0 writes zeros. */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
+  uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Shared memory of the prefill kernel: K and V tiles of BN rows (stride HD + 8), two stages
+ * (double-buffered cp.async) for bf16 caches, which are copied as they are, one stage for the
+ * others, which are converted on the way in. */
+template <int HD, typename KT> struct pf_smem {
+  static constexpr int LD = HD + 8;
+  static constexpr int STAGE = 2 * BN * LD; /* elements: K then V */
+  static constexpr bool ASYNC = sizeof(KT) == 2 && !__is_same(KT, __half);
+  static constexpr int STAGES = ASYNC ? 2 : 1;
+  static constexpr size_t BYTES = (size_t)STAGES * STAGE * 2;
+};
+
 /* 16 bytes of cache row -> bf16 in shared memory. f32: 4 elements (8 bytes out); 16-bit types: 8
  * elements (16 bytes out). */
 __device__ __forceinline__ void stage16(__nv_bfloat16 *dst, const float *src) {
   float4 v = __ldg(reinterpret_cast<const float4 *>(src));
   uint2 o = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
   *reinterpret_cast<uint2 *>(dst) = o;
-}
-__device__ __forceinline__ void stage16(__nv_bfloat16 *dst, const __nv_bfloat16 *src) {
-  *reinterpret_cast<uint4 *>(dst) = __ldg(reinterpret_cast<const uint4 *>(src));
 }
 __device__ __forceinline__ void stage16(__nv_bfloat16 *dst, const __half *src) {
   float f[8];
@@ -104,8 +124,10 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
   constexpr int EPC = 16 / (int)sizeof(KT); /* cache elements per 16-byte load */
   constexpr int CPR = HD / EPC;             /* 16-byte loads per cache row */
   static_assert(HD % 16 == 0 && DT % 2 == 0, "head dim must be a multiple of 16");
-  __shared__ __align__(16) __nv_bfloat16 sK[BN * LD]; /* also stages Q */
-  __shared__ __align__(16) __nv_bfloat16 sV[BN * LD];
+  using SM = pf_smem<HD, KT>;
+  extern __shared__ __align__(16) unsigned char pf_dyn[];
+  __nv_bfloat16 *const tiles = reinterpret_cast<__nv_bfloat16 *>(pf_dyn);
+  __nv_bfloat16 *sK = tiles, *sV = tiles + BN * LD; /* stage 0; sK also stages Q */
   __shared__ long long sRow[BN]; /* element offset of each key's row in the cache; -1: none */
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, lg = lane >> 2, lt = lane & 3;
@@ -179,25 +201,54 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
   const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
   const int win = a.window;
 
-  for (int kt = kb; kt < ke; kt += BN) {
-    if (tid < BN) {
-      const int kp = kt + tid;
-      sRow[tid] = kp < ke ? (((long long)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD : -1LL;
-    }
-    __syncthreads();
+  /* bf16 caches: tile i + 1's copies are in flight while tile i is computed */
+  auto issue = [&](int kt0, int stage) {
+    __nv_bfloat16 *dk0 = tiles + stage * SM::STAGE, *dv0 = dk0 + BN * LD;
     for (int i = tid; i < BN * CPR; i += kThreads) {
-      const int r = i / CPR, c = i - r * CPR;
-      const long long off = sRow[r];
-      __nv_bfloat16 *dk = &sK[r * LD + c * EPC], *dv = &sV[r * LD + c * EPC];
-      if (off >= 0) {
-        stage16(dk, kc + off + c * EPC);
-        stage16(dv, vc + off + c * EPC);
-      } else {
-        zero16(dk, EPC * 2);
-        zero16(dv, EPC * 2);
-      }
+      const int r = i / CPR, c = i - r * CPR, kp = kt0 + r;
+      const bool ok = kp < ke;
+      const size_t off =
+          ok ? (((size_t)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD + (size_t)c * EPC : 0;
+      cp_async16(&dk0[r * LD + c * EPC], kc + off, ok ? 16 : 0);
+      cp_async16(&dv0[r * LD + c * EPC], vc + off, ok ? 16 : 0);
     }
-    __syncthreads();
+    cp_async_commit();
+  };
+  if constexpr (SM::ASYNC) {
+    if (kb < ke) issue(kb, 0);
+  }
+  int it = 0;
+  for (int kt = kb; kt < ke; kt += BN, it++) {
+    if constexpr (SM::ASYNC) {
+      if (kt + BN < ke) {
+        issue(kt + BN, (it + 1) & 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      sK = tiles + (it & 1) * SM::STAGE;
+      sV = sK + BN * LD;
+    } else {
+      if (tid < BN) {
+        const int kp = kt + tid;
+        sRow[tid] = kp < ke ? (((long long)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD : -1LL;
+      }
+      __syncthreads();
+      for (int i = tid; i < BN * CPR; i += kThreads) {
+        const int r = i / CPR, c = i - r * CPR;
+        const long long off = sRow[r];
+        __nv_bfloat16 *dk = &sK[r * LD + c * EPC], *dv = &sV[r * LD + c * EPC];
+        if (off >= 0) {
+          stage16(dk, kc + off + c * EPC);
+          stage16(dv, vc + off + c * EPC);
+        } else {
+          zero16(dk, EPC * 2);
+          zero16(dv, EPC * 2);
+        }
+      }
+      __syncthreads();
+    }
 
     /* S = Q K^T for this warp's 16 rows x BN keys */
     float sa[NT][4];
@@ -308,14 +359,31 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
   }
 }
 
+template <int HD, typename KT> void prefill_launch(cudaStream_t st, const pd_cuda_attn *a,
+                                                   dim3 grid) {
+  const size_t smem = pf_smem<HD, KT>::BYTES;
+  if (smem > 48 * 1024) { /* the dynamic shared memory opt-in, once per device */
+    static unsigned long long configured = 0;
+    int dev = 0;
+    cudaGetDevice(&dev);
+    const unsigned long long bit = 1ull << (dev & 63);
+    if (!(configured & bit)) {
+      cudaFuncSetAttribute(attn_prefill_kernel<HD, KT>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      configured |= bit;
+    }
+  }
+  attn_prefill_kernel<HD, KT><<<grid, kThreads, smem, st>>>(*a);
+}
+
 template <int HD>
 void prefill_hd(cudaStream_t st, const pd_cuda_attn *a, dim3 grid) {
   if (a->kv_dtype == PD_DTYPE_BF16)
-    attn_prefill_kernel<HD, __nv_bfloat16><<<grid, kThreads, 0, st>>>(*a);
+    prefill_launch<HD, __nv_bfloat16>(st, a, grid);
   else if (a->kv_dtype == PD_DTYPE_F16)
-    attn_prefill_kernel<HD, __half><<<grid, kThreads, 0, st>>>(*a);
+    prefill_launch<HD, __half>(st, a, grid);
   else
-    attn_prefill_kernel<HD, float><<<grid, kThreads, 0, st>>>(*a);
+    prefill_launch<HD, float>(st, a, grid);
 }
 
 } // namespace
