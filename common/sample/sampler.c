@@ -690,6 +690,111 @@ pd_status pd_sampler_process_logits(pd_sampler *s, float *logits, pd_err *e) {
   return PD_OK;
 }
 
+/* ---- device sampling: the edits of apply_edits as a sparse list ---- */
+
+/* Whether id is in the sorted array a[0, n). */
+static bool sorted_has_i32(const int32_t *a, size_t n, int32_t id) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (a[mid] < id)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo < n && a[lo] == id;
+}
+
+static bool sorted_has_bias(const pd_logit_bias *a, size_t n, int32_t id) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (a[mid].id < id)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo < n && a[lo].id == id;
+}
+
+/* The penalty part of an edit (flags PD_DEV_EDIT_SEEN, count) from a penalty entry. */
+static void pen_edit(const pd_sampler *s, const pen_entry *en, pd_dev_sample_edit *ed) {
+  if (s->p.repetition_penalty != 1.0f && (en->in_prompt || en->count > 0))
+    ed->flags |= PD_DEV_EDIT_SEEN;
+  ed->count = en->count;
+}
+
+/* Writes edit number *n when it fits in cap, and counts it. */
+static inline void put_edit(pd_dev_sample_edit *edits, int32_t cap, int32_t *n,
+                            const pd_dev_sample_edit *ed) {
+  if (*n < cap) edits[*n] = *ed;
+  (*n)++;
+}
+
+/* The same edits as apply_edits, one entry per distinct id: first the suppressed and biased
+ * ids (both lists sorted by id: a linear merge, penalty state from map_find), then the
+ * penalty entries not among them. The second loop has to skip ids the first one emitted; it
+ * binary-searches the two short sorted lists only when the first loop found some id in the
+ * penalty map, so the cost is O(edits) in the usual cases and O(edits log(bias + suppress))
+ * at worst. */
+int32_t pd_sampler_dev_spec(const pd_sampler *s, pd_dev_sample_spec *spec,
+                            pd_dev_sample_edit *edits, int32_t cap) {
+  PD_ASSERT(s && spec && cap >= 0 && (cap == 0 || edits));
+  memset(spec, 0, sizeof *spec);
+  spec->row = 0;
+  spec->edit_begin = 0;
+  spec->top_k = s->p.top_k;
+  spec->temperature = s->p.temperature;
+  spec->top_p = s->p.top_p;
+  spec->min_p = s->p.min_p;
+  spec->rep_penalty = s->penalties ? s->p.repetition_penalty : 1.0f;
+  spec->freq_penalty = s->penalties ? s->p.frequency_penalty : 0.0f;
+  spec->pres_penalty = s->penalties ? s->p.presence_penalty : 0.0f;
+  spec->u = pd_sampler_uniform(s, PD_RNG_LANE_SAMPLE);
+  spec->n_top = s->p.logprobs < 0 ? -1 : s->p.logprobs;
+
+  int32_t n = 0;
+  const size_t ns = s->n_gen < s->p.min_tokens ? s->n_suppress : 0;
+  size_t i = 0, j = 0, overlap = 0;
+  while (i < ns || j < s->n_bias) {
+    const int32_t a = i < ns ? s->suppress[i] : INT32_MAX; /* ids are < vocab <= INT32_MAX */
+    const int32_t b = j < s->n_bias ? s->bias[j].id : INT32_MAX;
+    pd_dev_sample_edit ed = {a < b ? a : b, 0, 0.0f, 0};
+    if (a == ed.id) {
+      ed.flags |= PD_DEV_EDIT_SUPPRESS;
+      i++;
+    }
+    if (b == ed.id) {
+      /* pd_sampler_new merged duplicates already; should any remain, they add up in order */
+      ed.flags |= PD_DEV_EDIT_BIAS;
+      ed.bias = s->bias[j++].bias;
+      while (j < s->n_bias && s->bias[j].id == ed.id) ed.bias += s->bias[j++].bias;
+    }
+    if (s->penalties) {
+      const pen_entry *en = map_find(s, ed.id);
+      if (en) {
+        pen_edit(s, en, &ed);
+        overlap++;
+      }
+    }
+    put_edit(edits, cap, &n, &ed);
+  }
+  if (s->penalties) {
+    for (int32_t k = 0; k < s->n_ent; k++) {
+      const pen_entry *en = &s->ent[k];
+      pd_dev_sample_edit ed = {en->id, 0, 0.0f, 0};
+      pen_edit(s, en, &ed);
+      if (!ed.flags && ed.count <= 0) continue; /* no effect (rolled back) */
+      if (overlap > 0 && ((ns > 0 && sorted_has_i32(s->suppress, ns, en->id)) ||
+                          sorted_has_bias(s->bias, s->n_bias, en->id)))
+        continue; /* emitted by the first loop */
+      put_edit(edits, cap, &n, &ed);
+    }
+  }
+  spec->edit_count = n;
+  return n;
+}
+
 /* ---- steps 4-5: selection ---- */
 
 /* Descending by value, then ascending by id. */

@@ -11,6 +11,10 @@
  *             32 query heads, head dim 128, pages shuffled; bandwidth counts the K/V bytes
  *   prefill   be->ops.attention, causal; FLOP/s counts 4 * heads * head_dim per (query, key)
  *             pair actually attended (the causal half)
+ *   sample    be->ops.sample on 1 and 256 rows of 128256 logits ~ N(0, 3^2) (greedy, top_k 50
+ *             with top_p 0.9, top_p 0.9 alone, and with 5 logprobs): the whole op as the engine
+ *             sees it (staging copies, kernel, results back); bandwidth counts one read of the
+ *             logits
  * Usage: pd-bench-cuda [device]. Timings: CUDA events over repeated calls after warm-up. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -43,6 +47,22 @@ __global__ void fill_bf16(__nv_bfloat16 *p, size_t n, float a, uint32_t seed) {
     h *= 2246822519u;
     h ^= h >> 13;
     p[i] = __float2bfloat16(((h & 0xffffff) / 16777216.0f * 2.0f - 1.0f) * a);
+  }
+}
+/* Normal values (mean 0, standard deviation sd) from a hash of the index (Box-Muller). */
+__global__ void fill_normal(float *p, size_t n, float sd, uint32_t seed) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed, g;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    g = h * 3266489917u + 374761393u;
+    g ^= g >> 16;
+    g *= 2246822519u;
+    g ^= g >> 13;
+    const float u1 = ((h >> 8) + 1) / 16777217.0f, u2 = (g >> 8) / 16777216.0f;
+    p[i] = sd * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
   }
 }
 __global__ void fill_f32(float *p, size_t n, float a, uint32_t seed) {
@@ -274,6 +294,42 @@ int main(int argc, char **argv) {
                c.dt == PD_DTYPE_F32 ? "f32" : "bf16");
       row("prefill attn", shape, us, "TFLOP/s", 4.0 * pairs * 32 * 128 / (us * 1e-6) / 1e12, -1);
     }
+  }
+  /* ---- device sampling */
+  {
+    const int V = 128256, maxn = 256;
+    float *lg = (float *)dalloc((size_t)maxn * V * 4);
+    fill_normal<<<4096, 256, 0, st>>>(lg, (size_t)maxn * V, 3.0f, 12);
+    std::vector<pd_dev_sample_spec> sp(maxn);
+    std::vector<pd_dev_sample_out> so(maxn);
+    struct {
+      const char *name;
+      float T;
+      int k;
+      float p;
+      int n_top;
+    } sc[] = {{"greedy", 0.0f, 0, 1.0f, -1},
+              {"top_k 50, top_p 0.9", 1.0f, 50, 0.9f, -1},
+              {"top_p 0.9", 1.0f, 0, 0.9f, -1},
+              {"k 50, p 0.9, 5 logprobs", 1.0f, 50, 0.9f, 5}};
+    for (auto &c : sc)
+      for (int n : {1, maxn}) {
+        for (int i = 0; i < n; i++) {
+          memset(&sp[i], 0, sizeof sp[i]);
+          sp[i].row = i;
+          sp[i].temperature = c.T;
+          sp[i].top_k = c.k;
+          sp[i].top_p = c.p;
+          sp[i].rep_penalty = 1.0f;
+          sp[i].u = fmod(0.5 + i * 0.6180339887498949, 1.0);
+          sp[i].n_top = c.n_top;
+        }
+        ms = time_ms(20, [&](int) { be->ops.sample(be, so.data(), lg, V, sp.data(), n, NULL, 0); });
+        char shape[80];
+        snprintf(shape, sizeof shape, "%d x %d, %s", n, V, c.name);
+        row("sample", shape, ms * 1000, "GB/s", (double)n * V * 4 / (ms * 1e-3) / 1e9, -1);
+      }
+    be->ops.free(be, lg);
   }
   be->ops.sync(be);
   if (pd_backend_cuda_status(be, &e) != PD_OK) {

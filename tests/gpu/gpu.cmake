@@ -9,3 +9,6 @@ foreach(model pycoder-draft-2m pycoder-qwen2-4m tiny-random-llama31)
   set_tests_properties(test_cuda_golden_${model} PROPERTIES LABELS gpu TIMEOUT 600
                        SKIP_RETURN_CODE 77)
 endforeach()
+# Device sampling (be->ops.sample) against the CPU sampler.
+pd_add_test(NAME test_cuda_sample SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_sample.c
+            LABELS gpu TIMEOUT 600)

@@ -10,3 +10,5 @@ if(TARGET test_sample_stats)
   set_tests_properties(test_sample_stats_sse2 PROPERTIES LABELS unit TIMEOUT 120
                        ENVIRONMENT PD_SAMPLE_NO_AVX2=1)
 endif()
+# pd_sampler_dev_spec (device sampling's sparse edits) against pd_sampler_process_logits.
+pd_add_test(NAME test_sample_devspec SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_sample_devspec.c LABELS unit TIMEOUT 60)
