@@ -4,11 +4,11 @@
 # prebuilt programs (bin/: pdctl, pd-router, pd-prefill, pd-decode, the test_cuda_* tests,
 # pd-bench-cuda; lib/: their non-glibc shared libraries), e.g. one made by bench/pack_dev.sh.
 #
-#   bench/gpu_suite.sh BUNDLE_DIR [quick]
+#   bench/gpu_suite.sh BUNDLE_DIR [quick | notorch]   (quick: tests and kernel benches only)
 #
 # Prints every section; never stops at a failure (each step's exit status is printed).
 set -u
-D=${1:?usage: gpu_suite.sh BUNDLE_DIR [quick]}
+D=${1:?usage: gpu_suite.sh BUNDLE_DIR [quick | notorch]}
 quick=${2:-}
 export LD_LIBRARY_PATH="$D/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export PD_TEST_DATA_DIR="$PWD/tests/data"
@@ -48,5 +48,6 @@ run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-l
   --decode-tokens 2 --repeat 3
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 8000 \
   --decode-tokens 2 --repeat 2
+[ "$quick" = notorch ] && exit 0
 step "PyTorch baselines"
 run timeout 240 python3 bench/torch_baseline.py "$M" --batches 1,32 --budget-s 200

@@ -25,5 +25,5 @@ for f in "$T"/bin/*; do
   done
 done
 strip "$T"/lib/* 2>/dev/null || true
-tar -C "$T" -cJf "$OUT" bin lib
+tar -C "$T" -cf - bin lib | xz -9 -T2 > "$OUT"
 ls -l "$OUT"
