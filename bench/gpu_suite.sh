@@ -29,7 +29,13 @@ for m in pycoder-12m pycoder-draft-2m pycoder-qwen2-4m tiny-random-llama31; do
   step "test_cuda_golden $m"; run "$D/bin/test_cuda_golden" "$m"
 done
 step "GPU cluster (test_cluster_gpu)"
-run timeout 400 python3 tests/integration/test_cluster_gpu.py --pdctl "$D/bin/pdctl" --repo "$PWD"
+# the test finds the node programs as a build tree lays them out
+T=$(mktemp -d)
+mkdir -p "$T/tools" "$T/router" "$T/prefill-node" "$T/decode-node"
+cp "$D/bin/pdctl" "$T/tools/"; cp "$D/bin/pd-router" "$T/router/"
+cp "$D/bin/pd-prefill" "$T/prefill-node/"; cp "$D/bin/pd-decode" "$T/decode-node/"
+run timeout 400 python3 tests/integration/test_cluster_gpu.py --pdctl "$T/tools/pdctl" --repo "$PWD"
+rm -rf "$T"
 step pd-bench-cuda;    run "$D/bin/pd-bench-cuda"
 step "decode attention on the SIMT kernel (PD_CUDA_DECODE_ATTN=simt)"
 PD_CUDA_DECODE_ATTN=simt "$D/bin/pd-bench-cuda" 2>&1 | grep -E "decode attn|^\| what|^\|---"
@@ -42,7 +48,7 @@ run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-l
   --decode-tokens 256 --repeat 2
 step "decode with 1k context, batch 8..256"
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 8,32,128,256 \
-  --prompt-len 1024 --decode-tokens 64 --repeat 1
+  --prompt-len 1024 --decode-tokens 192 --repeat 1
 step "prefill 1k and 8k"
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 1024 \
   --decode-tokens 2 --repeat 3

@@ -454,7 +454,7 @@ static int graph_bucket(const pd_engine *g, int n) {
                               144, 160, 176, 192, 208, 224, 240, 256, 320, 384, 448, 512};
   int cap = g->o.max_seqs < g->o.max_batch_tokens ? g->o.max_seqs : g->o.max_batch_tokens;
   for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
-    if (sizes[i] >= n) return sizes[i] <= cap ? sizes[i] : -1;
+    if (sizes[i] >= n) return sizes[i] <= cap ? sizes[i] : n <= cap ? cap : -1;
   return -1;
 }
 
