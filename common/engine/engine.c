@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct eng_layer {
   float *attn_norm, *ffn_norm; /* [D] f32 */
@@ -59,7 +60,16 @@ struct pd_engine {
   uint64_t replays;
   int32_t *h_meta; /* tokens, pos, slots, rows [B each], qstart [B + 1], ctx [B], bt [B, mbw] */
   size_t h_meta_n;
+  double forward_s; /* wall time inside pd_engine_forward */
 };
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+double pd_engine_forward_seconds(const pd_engine *g) { return g->forward_s; }
 
 void pd_engine_opts_default(pd_engine_opts *o) {
   memset(o, 0, sizeof *o);
@@ -534,6 +544,7 @@ static bool forward_graph(pd_engine *g, const pd_batch *b) {
 }
 
 pd_status pd_engine_forward(pd_engine *g, const pd_batch *b, float *logits, pd_err *e) {
+  const double t0 = now_s();
   pd_status st = validate(g, b, e);
   if (st == PD_OK) st = validate_sampling(g, b, e);
   if (st != PD_OK) return st;
@@ -566,6 +577,7 @@ pd_status pd_engine_forward(pd_engine *g, const pd_batch *b, float *logits, pd_e
   if (n_host > 0)
     be->ops.to_host(be, logits, g->logits, (size_t)n_host * g->V * sizeof(float));
   be->ops.sync(be);
+  g->forward_s += now_s() - t0;
   return PD_OK;
 }
 

@@ -191,7 +191,16 @@ void cu_matmul(pd_backend *be, float *y, const float *x, const void *w, pd_dtype
     CK_LAUNCH(c, "matmul (K = 0)");
     return;
   }
-  if (M <= PD_CUDA_GEMV_MAX_M) {
+  /* Our GEMV up to gemv_max_m rows (default 2), cuBLAS above: on the H200 the GEMV reads W at
+   * 63-95% of copy bandwidth for M <= 2 but under 60% at M = 8, where cuBLAS does better.
+   * PD_CUDA_GEMV_MAX_M (1..8) overrides, for measurements. */
+  static int gemv_max_m = 0;
+  if (!gemv_max_m) {
+    const char *ev = getenv("PD_CUDA_GEMV_MAX_M");
+    int v = ev ? atoi(ev) : 2;
+    gemv_max_m = v >= 1 && v <= PD_CUDA_GEMV_MAX_M ? v : 2;
+  }
+  if (M <= gemv_max_m) {
     pd_cuda_gemv(c->st, y, x, w, wdt, bias, M, N, K);
     CK_LAUNCH(c, "gemv");
     return;

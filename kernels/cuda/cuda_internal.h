@@ -6,7 +6,7 @@
  *   cuda_backend.cu      the ops table: argument checks, memory, cuBLAS, work splitting, errors
  *   cuda_elementwise.cu  rmsnorm, add_rmsnorm, embed, rope, swiglu, kv_write, get_rows, add,
  *                        bias, f32 -> bf16/f16 conversion
- *   cuda_gemv.cu         y = x W^T for M <= 8 (memory-bound)
+ *   cuda_gemv.cu         y = x W^T for small M (memory-bound; the backend uses it for M <= 2)
  *   cuda_attn_decode.cu  split-K paged decode attention, the split merge, the generic kernel
  *   cuda_attn_prefill.cu FlashAttention-style paged prefill on bf16 tensor cores */
 #ifndef PD_CUDA_INTERNAL_H

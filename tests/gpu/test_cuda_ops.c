@@ -8,8 +8,8 @@
  * output and fails.
  *
  * Tolerances (max |gpu - cpu| / max |cpu|): paths computing in f32 on both sides (GEMV with
- * M <= 8, decode attention, row ops) 1e-4; bf16 tensor-core paths (cuBLAS with x rounded to
- * bf16, prefill attention with Q, K, V, P in bf16) 1.5e-2; TF32 (f32 weights, M > 8) 5e-3;
+ * M <= 2, SIMT decode attention, row ops) 1e-4; bf16 tensor-core paths (cuBLAS with x rounded
+ * to bf16, attention with Q, K, V, P in bf16 or f16) 1.5e-2; TF32 (f32 weights, M > 2) 5e-3;
  * data movement (embed, kv_write, get_rows, add, copies) exact.
  *
  * Usage: test_cuda_ops [small]   ("small": reduced sizes, for compute-sanitizer).
@@ -157,7 +157,8 @@ static void test_matmul(int M, int N, int K, pd_dtype wdt, int with_bias) {
   g_gpu->ops.matmul(g_gpu, dy, dx, dw, wdt, db, M, N, K);
   float *y = down(dy, (size_t)M * N * 4);
   double err = rel_err(y, ref, (size_t)M * N);
-  double tol = M <= 8 ? 1e-4 : (wdt == PD_DTYPE_F32 ? 5e-3 : 1.5e-2);
+  /* the GEMV (f32 x) up to M = 2, cuBLAS (x rounded to the weight type) above */
+  double tol = M <= 2 ? 1e-4 : (wdt == PD_DTYPE_F32 ? 5e-3 : 1.5e-2);
   CHECKF(err < tol, "matmul M=%d N=%d K=%d %s bias=%d: error %.3g (tolerance %.1g)", M, N, K,
          dtn(wdt), with_bias, err, tol);
   if (!(err < tol) || getenv("PD_TEST_VERBOSE"))
@@ -369,7 +370,7 @@ static void test_fused(void) {
         float *act = down(dact, (size_t)M * F * 4);
         double err = rel_err(act, ref, (size_t)M * F);
         /* as test_matmul: GEMV paths are f32 throughout; M > 8 rounds x for cuBLAS */
-        const double tol = M <= 8 ? 2e-4 : (wdt == PD_DTYPE_F32 ? 5e-3 : 1.5e-2);
+        const double tol = M <= 2 ? 2e-4 : (wdt == PD_DTYPE_F32 ? 5e-3 : 1.5e-2);
         CHECKF(err < tol, "matmul_glu M=%d F=%d K=%d %s bias=%d: %.3g", M, F, K, dtn(wdt), wb,
                err);
         free(w);

@@ -80,6 +80,10 @@ bool pd_engine_can_sample(const pd_engine *eng);
 /* Graph replays so far and the graphs held (backends with graphs; decode steps only). */
 void pd_engine_graph_stats(const pd_engine *eng, uint64_t *replays, int *n_graphs);
 
+/* Wall-clock seconds spent inside pd_engine_forward so far (uploads, the model, sampling,
+ * waiting for the device), for benchmarks that separate engine time from scheduler time. */
+double pd_engine_forward_seconds(const pd_engine *eng);
+
 /* Runs the batch; writes logits [n_logits, vocab_size] (host, f32). The batch is validated
  * (sizes within the engine's limits, ids in the vocabulary, slots and block ids in the pool,
  * positions consistent) and rejected with PD_EINVAL before anything runs. */

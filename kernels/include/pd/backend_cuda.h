@@ -5,14 +5,20 @@
  * Activations stay float32; weights are read in their stored dtype (F32, F16, BF16); the KV
  * cache may be F32, F16 or BF16 (BF16 halves attention traffic and is the fast choice).
  *
- *   matmul     M <= 8: a GEMV kernel streaming W with 16-byte loads, f32 x and accumulation;
+ *   matmul     M <= 2: a GEMV kernel streaming W with 16-byte loads, f32 x and accumulation
+ *              (gate/up fused with SwiGLU in one pass);
  *              larger M: x rounded to bf16/f16 into a backend-owned workspace, then cuBLAS
  *              (f32 output, f32 compute; TF32 for f32 weights), bias by a small kernel.
- *   attention  a batch of one new token per sequence: split-K decode (partial softmax per split
- *              of the context, then a merge kernel); otherwise FlashAttention-style tiles on
+ *   attention  a batch of one new token per sequence: split-K decode (each sequence's context
+ *              cut into equal splits, then a merge kernel), on tensor cores for bf16/f16 caches
+ *              (all query heads of a KV group in one m16n8k16 tile, K/V tiles double-buffered
+ *              with cp.async), SIMT for f32 caches; otherwise FlashAttention-style tiles on
  *              bf16 tensor cores (mma.sync, f32 accumulate), split over the context too when
  *              there are few tiles. Head dims 64, 80, 128 have tuned kernels; any other even
  *              head dim up to 256 runs on a slower generic kernel.
+ *   also       sampling on the device (`sample`), KV staging for transfers (kv_gather /
+ *              kv_scatter, pinned host_alloc), graph capture and replay, fused QKV RoPE + KV
+ *              write and gate/up + SwiGLU (see backend.h).
  *
  * This header is always available. A build without CUDA provides the same symbols: the device
  * count is 0 and create fails with PD_EUNSUPPORTED. */
