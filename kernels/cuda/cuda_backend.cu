@@ -459,6 +459,7 @@ void cu_destroy(pd_backend *be) {
   if (c) {
     cudaSetDevice(c->dev);
     tl_dev = c->dev;
+    pd_cuda_profile_report(be);
     if (c->st) cudaStreamSynchronize(c->st);
     if (c->blas) cublasDestroy(c->blas);
     cudaFree(c->blas_ws);
@@ -600,6 +601,7 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
       break;
     }
   }
+  pd_cuda_profile_wrap(be);
   return be;
 }
 

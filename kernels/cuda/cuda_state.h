@@ -62,6 +62,10 @@ void pd_cuda_grow(cuda_impl *c, void **buf, size_t *size, size_t bytes);
 void pd_cuda_register_sample(pd_backend *be);  /* cuda_sample.cu */
 void pd_cuda_register_kvstage(pd_backend *be); /* cuda_kvstage.cu */
 void pd_cuda_register_graph(pd_backend *be);   /* cuda_graph.cu */
+/* PD_CUDA_PROFILE (cuda_profile.cu): wraps the ops of the first backend created with GPU timers;
+ * the report is printed (and the timers freed) by destroy. */
+void pd_cuda_profile_wrap(pd_backend *be);
+void pd_cuda_profile_report(pd_backend *be);
 /* Frees what those files allocated in cuda_impl (called by destroy after a stream sync). */
 void pd_cuda_free_extras(cuda_impl *c);
 
