@@ -329,7 +329,8 @@ void cu_rope_kv_write(pd_backend *be, float *q_out, const float *qkv, const int3
                       const int32_t *slots, int M, int n_q_heads) {
   cuda_impl *c = impl_of(be);
   PD_ASSERT(M >= 0 && n_q_heads > 0 && shape->block_size > 0 && shape->num_kv_heads > 0);
-  PD_ASSERT(shape->head_dim >= 2 && shape->head_dim % 2 == 0 && float_dtype(shape->dtype));
+  PD_ASSERT(shape->head_dim >= 2 && shape->head_dim % 2 == 0 && shape->head_dim <= 256);
+  PD_ASSERT(float_dtype(shape->dtype));
   if (M == 0) return;
   use_device(c);
   pd_cuda_rope_kv_write(c->st, q_out, qkv, pos, inv_freq, kv, shape, slots, M, n_q_heads);
