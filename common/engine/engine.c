@@ -458,6 +458,20 @@ static void run_model(pd_engine *g, int M, int n_seqs, int max_blocks, int max_c
   }
 }
 
+/* The batch's metadata into the engine's backend buffers. */
+static void upload_batch(pd_engine *g, const pd_batch *b) {
+  pd_backend *be = g->be;
+  const size_t i32 = sizeof(int32_t), M = (size_t)b->n_tokens, S = (size_t)b->n_seqs;
+  be->ops.to_device(be, g->d_tokens, b->tokens, M * i32);
+  be->ops.to_device(be, g->d_pos, b->positions, M * i32);
+  be->ops.to_device(be, g->d_slots, b->slots, M * i32);
+  be->ops.to_device(be, g->d_qstart, b->q_start, (S + 1) * i32);
+  be->ops.to_device(be, g->d_ctx, b->ctx_len, S * i32);
+  be->ops.to_device(be, g->d_bt, b->block_tables, S * (size_t)b->max_blocks * i32);
+  if (b->n_logits > 0)
+    be->ops.to_device(be, g->d_rows, b->logit_rows, (size_t)b->n_logits * i32);
+}
+
 /* Padded batch sizes that decode steps are recorded for. */
 static int graph_bucket(const pd_engine *g, int n) {
   static const int sizes[] = {1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128,
@@ -511,14 +525,10 @@ static bool forward_graph(pd_engine *g, const pd_batch *b) {
   }
   qs[B] = B;
   pd_backend *be = g->be;
-  const size_t i32 = sizeof(int32_t);
-  be->ops.to_device(be, g->d_tokens, tok, (size_t)B * i32);
-  be->ops.to_device(be, g->d_pos, pos, (size_t)B * i32);
-  be->ops.to_device(be, g->d_slots, slot, (size_t)B * i32);
-  be->ops.to_device(be, g->d_rows, rows, (size_t)B * i32);
-  be->ops.to_device(be, g->d_qstart, qs, (size_t)(B + 1) * i32);
-  be->ops.to_device(be, g->d_ctx, ctx, (size_t)B * i32);
-  be->ops.to_device(be, g->d_bt, bt, (size_t)B * mbw * i32);
+  const pd_batch padded = {.n_tokens = B, .tokens = tok, .positions = pos, .slots = slot,
+                           .n_seqs = B, .q_start = qs, .ctx_len = ctx, .block_tables = bt,
+                           .max_blocks = mbw, .n_logits = B, .logit_rows = rows};
+  upload_batch(g, &padded);
   const int max_ctx = mbw * g->o.block_size;
   if (gr) {
     if (be->ops.graph_launch(be, gr->exec)) {
@@ -549,24 +559,15 @@ pd_status pd_engine_forward(pd_engine *g, const pd_batch *b, float *logits, pd_e
   if (st == PD_OK) st = validate_sampling(g, b, e);
   if (st != PD_OK) return st;
   pd_backend *be = g->be;
-  const int M = b->n_tokens;
-  const size_t i32 = sizeof(int32_t);
 
   bool done = false;
   if (g->use_graphs && b->n_tokens == b->n_seqs) done = forward_graph(g, b);
   if (!done) {
-    be->ops.to_device(be, g->d_tokens, b->tokens, (size_t)M * i32);
-    be->ops.to_device(be, g->d_pos, b->positions, (size_t)M * i32);
-    be->ops.to_device(be, g->d_slots, b->slots, (size_t)M * i32);
-    be->ops.to_device(be, g->d_qstart, b->q_start, (size_t)(b->n_seqs + 1) * i32);
-    be->ops.to_device(be, g->d_ctx, b->ctx_len, (size_t)b->n_seqs * i32);
-    be->ops.to_device(be, g->d_bt, b->block_tables, (size_t)b->n_seqs * b->max_blocks * i32);
-    if (b->n_logits > 0)
-      be->ops.to_device(be, g->d_rows, b->logit_rows, (size_t)b->n_logits * i32);
+    upload_batch(g, b);
     int max_ctx = 0;
     for (int s = 0; s < b->n_seqs; s++)
       if (b->ctx_len[s] > max_ctx) max_ctx = b->ctx_len[s];
-    run_model(g, M, b->n_seqs, b->max_blocks, max_ctx, b->n_logits);
+    run_model(g, b->n_tokens, b->n_seqs, b->max_blocks, max_ctx, b->n_logits);
   }
   const int n_host = b->n_logits - b->n_sample;
   if (b->n_sample > 0) {

@@ -13,65 +13,13 @@
  * kernel, in the same convention as the SIMT decode kernel (cuda_attn_decode.cu). */
 #include <math.h>
 
-#include "cuda_internal.h"
+#include "cuda_mma.h"
 
 namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = 4;
 constexpr int BN = 64; /* keys per tile: 16 per warp */
-
-template <typename KT> struct tc;
-template <> struct tc<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&v);
-  }
-  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-template <> struct tc<__half> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&v);
-  }
-  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void *p) {
-  uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-/* 16 bytes global -> shared, asynchronous; src_bytes 0 writes zeros. */
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
-  uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ uint32_t lds32(const void *p) {
-  return *reinterpret_cast<const uint32_t *>(p);
-}
 
 template <int HD> struct tc_geom {
   static constexpr int LD = HD + 8;           /* smem row stride in elements */
@@ -119,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     const int r = i / (HD / 2), d = (i - r * (HD / 2)) * 2;
     float2 v = make_float2(0.0f, 0.0f);
     if (r < G) v = *reinterpret_cast<const float2 *>(a.q + (qrow0 + r) * HD + d);
-    *reinterpret_cast<uint32_t *>(&sQ[r * LD + d]) = tc<KT>::pack(v.x * qscale, v.y * qscale);
+    *reinterpret_cast<uint32_t *>(&sQ[r * LD + d]) = pd_tc<KT>::pack(v.x * qscale, v.y * qscale);
   }
 
   const KT *kc = static_cast<const KT *>(a.k), *vc = static_cast<const KT *>(a.v);
@@ -134,10 +82,10 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
       const bool ok = kp < kend;
       const size_t off =
           ok ? (((size_t)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD + (size_t)c * 8 : 0;
-      cp_async16(&sk[r * LD + c * 8], kc + off, ok ? 16 : 0);
-      cp_async16(&sv[r * LD + c * 8], vc + off, ok ? 16 : 0);
+      pd_cp_async16(&sk[r * LD + c * 8], kc + off, ok ? 16 : 0);
+      pd_cp_async16(&sv[r * LD + c * 8], vc + off, ok ? 16 : 0);
     }
-    cp_async_commit();
+    pd_cp_async_commit();
   };
 
   load_tile(0, 0);
@@ -145,10 +93,10 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   uint32_t qa[KS][4];
 #pragma unroll
   for (int ks = 0; ks < KS; ks++) {
-    qa[ks][0] = lds32(&sQ[lg * LD + ks * 16 + lt * 2]);
-    qa[ks][1] = lds32(&sQ[(lg + 8) * LD + ks * 16 + lt * 2]);
-    qa[ks][2] = lds32(&sQ[lg * LD + ks * 16 + lt * 2 + 8]);
-    qa[ks][3] = lds32(&sQ[(lg + 8) * LD + ks * 16 + lt * 2 + 8]);
+    qa[ks][0] = pd_lds32(&sQ[lg * LD + ks * 16 + lt * 2]);
+    qa[ks][1] = pd_lds32(&sQ[(lg + 8) * LD + ks * 16 + lt * 2]);
+    qa[ks][2] = pd_lds32(&sQ[lg * LD + ks * 16 + lt * 2 + 8]);
+    qa[ks][3] = pd_lds32(&sQ[(lg + 8) * LD + ks * 16 + lt * 2 + 8]);
   }
 
   float o[DT][4];
@@ -159,9 +107,9 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   for (int tile = 0; tile < n_tiles; tile++) {
     if (tile + 1 < n_tiles) {
       load_tile(tile + 1, (tile + 1) & 1);
-      cp_async_wait<1>();
+      pd_cp_async_wait<1>();
     } else {
-      cp_async_wait<0>();
+      pd_cp_async_wait<0>();
     }
     __syncthreads();
     const KT *sk = tiles + (tile & 1) * G_::STAGE, *sv = sk + BN * LD;
@@ -175,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
 #pragma unroll
       for (int ks = 0; ks < KS; ks++) {
         const KT *kr = &sk[(kw + nt * 8 + lg) * LD + ks * 16 + lt * 2];
-        tc<KT>::mma(sa[nt], qa[ks], lds32(kr), lds32(kr + 8));
+        pd_tc<KT>::mma(sa[nt], qa[ks], pd_lds32(kr), pd_lds32(kr + 8));
       }
     }
     float mxA = -INFINITY, mxB = -INFINITY;
@@ -211,10 +159,10 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     lA = lA * corrA + sumA;
     lB = lB * corrB + sumB;
     uint32_t pa[4];
-    pa[0] = tc<KT>::pack(sa[0][0], sa[0][1]);
-    pa[1] = tc<KT>::pack(sa[0][2], sa[0][3]);
-    pa[2] = tc<KT>::pack(sa[1][0], sa[1][1]);
-    pa[3] = tc<KT>::pack(sa[1][2], sa[1][3]);
+    pa[0] = pd_tc<KT>::pack(sa[0][0], sa[0][1]);
+    pa[1] = pd_tc<KT>::pack(sa[0][2], sa[0][3]);
+    pa[2] = pd_tc<KT>::pack(sa[1][0], sa[1][1]);
+    pa[3] = pd_tc<KT>::pack(sa[1][2], sa[1][3]);
 #pragma unroll
     for (int dt = 0; dt < DT; dt += 2) {
       o[dt][0] *= corrA;
@@ -226,9 +174,9 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
       o[dt + 1][2] *= corrB;
       o[dt + 1][3] *= corrB;
       uint32_t vb[4];
-      ldmatrix_x4_trans(vb, &sv[(kw + (lane & 15)) * LD + dt * 8 + (lane >> 4) * 8]);
-      tc<KT>::mma(o[dt], pa, vb[0], vb[1]);
-      tc<KT>::mma(o[dt + 1], pa, vb[2], vb[3]);
+      pd_ldmatrix_x4_trans(vb, &sv[(kw + (lane & 15)) * LD + dt * 8 + (lane >> 4) * 8]);
+      pd_tc<KT>::mma(o[dt], pa, vb[0], vb[1]);
+      pd_tc<KT>::mma(o[dt + 1], pa, vb[2], vb[3]);
     }
     __syncthreads(); /* the stage is refilled next */
   }
@@ -279,16 +227,7 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
 
 template <int HD, typename KT> void launch_hd(cudaStream_t st, const pd_cuda_attn *a) {
   const size_t smem = tc_geom<HD>::SMEM;
-  /* the dynamic shared memory opt-in, once per device and instantiation */
-  static unsigned long long configured = 0;
-  int dev = 0;
-  cudaGetDevice(&dev);
-  const unsigned long long bit = 1ull << (dev & 63);
-  if (!(configured & bit)) {
-    cudaFuncSetAttribute(attn_decode_tc_kernel<HD, KT>,
-                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    configured |= bit;
-  }
+  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT>, smem);
   dim3 grid((unsigned)a->n_seqs, (unsigned)a->n_kv_heads, (unsigned)a->n_splits);
   attn_decode_tc_kernel<HD, KT><<<grid, kThreads, smem, st>>>(*a);
 }

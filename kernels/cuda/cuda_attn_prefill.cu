@@ -18,7 +18,7 @@
 #include <cub/block/block_scan.cuh>
 #include <math.h>
 
-#include "cuda_internal.h"
+#include "cuda_mma.h"
 
 namespace {
 
@@ -26,40 +26,8 @@ constexpr int BM = PD_CUDA_ATTN_BM;
 constexpr int BN = 64;
 constexpr int kThreads = 128;
 
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0,
-                                          uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void *p) {
-  uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-
-__device__ __forceinline__ uint32_t lds32(const __nv_bfloat16 *p) {
-  return *reinterpret_cast<const uint32_t *>(p);
-}
-
-/* 16 bytes global -> shared, asynchronous; src_bytes 0 writes zeros. */
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
-  uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  return pd_tc<__nv_bfloat16>::pack(lo, hi);
 }
 
 /* Shared memory of the prefill kernel: K and V tiles of BN rows (stride HD + 8), two stages
@@ -185,10 +153,10 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
   uint32_t qa[KS][4];
 #pragma unroll
   for (int ks = 0; ks < KS; ks++) {
-    qa[ks][0] = lds32(&sK[rA * LD + ks * 16 + lt * 2]);
-    qa[ks][1] = lds32(&sK[rB * LD + ks * 16 + lt * 2]);
-    qa[ks][2] = lds32(&sK[rA * LD + ks * 16 + lt * 2 + 8]);
-    qa[ks][3] = lds32(&sK[rB * LD + ks * 16 + lt * 2 + 8]);
+    qa[ks][0] = pd_lds32(&sK[rA * LD + ks * 16 + lt * 2]);
+    qa[ks][1] = pd_lds32(&sK[rB * LD + ks * 16 + lt * 2]);
+    qa[ks][2] = pd_lds32(&sK[rA * LD + ks * 16 + lt * 2 + 8]);
+    qa[ks][3] = pd_lds32(&sK[rB * LD + ks * 16 + lt * 2 + 8]);
   }
   __syncthreads();
 
@@ -209,10 +177,10 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
       const bool ok = kp < ke;
       const size_t off =
           ok ? (((size_t)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD + (size_t)c * EPC : 0;
-      cp_async16(&dk0[r * LD + c * EPC], kc + off, ok ? 16 : 0);
-      cp_async16(&dv0[r * LD + c * EPC], vc + off, ok ? 16 : 0);
+      pd_cp_async16(&dk0[r * LD + c * EPC], kc + off, ok ? 16 : 0);
+      pd_cp_async16(&dv0[r * LD + c * EPC], vc + off, ok ? 16 : 0);
     }
-    cp_async_commit();
+    pd_cp_async_commit();
   };
   if constexpr (SM::ASYNC) {
     if (kb < ke) issue(kb, 0);
@@ -222,9 +190,9 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
     if constexpr (SM::ASYNC) {
       if (kt + BN < ke) {
         issue(kt + BN, (it + 1) & 1);
-        cp_async_wait<1>();
+        pd_cp_async_wait<1>();
       } else {
-        cp_async_wait<0>();
+        pd_cp_async_wait<0>();
       }
       __syncthreads();
       sK = tiles + (it & 1) * SM::STAGE;
@@ -258,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
 #pragma unroll
       for (int ks = 0; ks < KS; ks++) {
         const __nv_bfloat16 *kr = &sK[(nt * 8 + lg) * LD + ks * 16 + lt * 2];
-        mma_16816(sa[nt], qa[ks], lds32(kr), lds32(kr + 8));
+        pd_tc<__nv_bfloat16>::mma(sa[nt], qa[ks], pd_lds32(kr), pd_lds32(kr + 8));
       }
     }
     /* mask, scale to log2 units, row maxima (a row lives in the 4 lanes of a quad) */
@@ -316,9 +284,9 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
 #pragma unroll
       for (int dt = 0; dt < DT; dt += 2) {
         uint32_t vb[4];
-        ldmatrix_x4_trans(vb, &sV[(j * 16 + (lane & 15)) * LD + dt * 8 + (lane >> 4) * 8]);
-        mma_16816(o[dt], pa, vb[0], vb[1]);
-        mma_16816(o[dt + 1], pa, vb[2], vb[3]);
+        pd_ldmatrix_x4_trans(vb, &sV[(j * 16 + (lane & 15)) * LD + dt * 8 + (lane >> 4) * 8]);
+        pd_tc<__nv_bfloat16>::mma(o[dt], pa, vb[0], vb[1]);
+        pd_tc<__nv_bfloat16>::mma(o[dt + 1], pa, vb[2], vb[3]);
       }
     }
     __syncthreads(); /* sK / sV / sRow are refilled next */
@@ -362,17 +330,7 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
 template <int HD, typename KT> void prefill_launch(cudaStream_t st, const pd_cuda_attn *a,
                                                    dim3 grid) {
   const size_t smem = pf_smem<HD, KT>::BYTES;
-  if (smem > 48 * 1024) { /* the dynamic shared memory opt-in, once per device */
-    static unsigned long long configured = 0;
-    int dev = 0;
-    cudaGetDevice(&dev);
-    const unsigned long long bit = 1ull << (dev & 63);
-    if (!(configured & bit)) {
-      cudaFuncSetAttribute(attn_prefill_kernel<HD, KT>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-      configured |= bit;
-    }
-  }
+  if (smem > 48 * 1024) pd_cuda_smem_optin((const void *)attn_prefill_kernel<HD, KT>, smem);
   attn_prefill_kernel<HD, KT><<<grid, kThreads, smem, st>>>(*a);
 }
 

@@ -8,6 +8,7 @@
  * allocated at create and grown (after a stream sync) only when a call needs more than ever
  * before. */
 #include <cublas_v2.h>
+#include <mutex>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +37,28 @@ bool float_dtype(pd_dtype t) {
 }
 
 } // namespace
+
+cudaError_t pd_cuda_smem_optin(const void *kernel, size_t bytes) {
+  static std::mutex mu;
+  static struct {
+    const void *kernel;
+    unsigned long long devices;
+  } done[64];
+  static int n_done;
+  int dev = 0;
+  cudaError_t r = cudaGetDevice(&dev);
+  if (r != cudaSuccess) return r;
+  const unsigned long long bit = 1ull << (dev & 63);
+  std::lock_guard<std::mutex> lock(mu);
+  int i = 0;
+  while (i < n_done && done[i].kernel != kernel) i++;
+  if (i < n_done && (done[i].devices & bit)) return cudaSuccess;
+  r = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+  if (r != cudaSuccess) return r;
+  if (i == n_done && n_done < 64) done[n_done++] = {kernel, 0};
+  if (i < n_done) done[i].devices |= bit;
+  return cudaSuccess;
+}
 
 void pd_cuda_record(cuda_impl *c, const char *fmt, ...) {
   if (c->status != PD_OK) return;

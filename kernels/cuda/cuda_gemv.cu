@@ -23,26 +23,19 @@ namespace {
 constexpr int kWarps = 8; /* warps per block */
 
 template <typename WT> struct wvec;
-template <> struct wvec<__nv_bfloat16> {
+/* 16-bit types: 8 weights per 16-byte chunk. */
+template <typename T16> struct wvec16 {
   static constexpr int n = 8;
   __device__ static void unpack(const uint4 &u, float f[8]) {
     float2 t;
-    t = pd_unpack2(u.x, (__nv_bfloat16 *)nullptr); f[0] = t.x; f[1] = t.y;
-    t = pd_unpack2(u.y, (__nv_bfloat16 *)nullptr); f[2] = t.x; f[3] = t.y;
-    t = pd_unpack2(u.z, (__nv_bfloat16 *)nullptr); f[4] = t.x; f[5] = t.y;
-    t = pd_unpack2(u.w, (__nv_bfloat16 *)nullptr); f[6] = t.x; f[7] = t.y;
+    t = pd_unpack2(u.x, (T16 *)nullptr); f[0] = t.x; f[1] = t.y;
+    t = pd_unpack2(u.y, (T16 *)nullptr); f[2] = t.x; f[3] = t.y;
+    t = pd_unpack2(u.z, (T16 *)nullptr); f[4] = t.x; f[5] = t.y;
+    t = pd_unpack2(u.w, (T16 *)nullptr); f[6] = t.x; f[7] = t.y;
   }
 };
-template <> struct wvec<__half> {
-  static constexpr int n = 8;
-  __device__ static void unpack(const uint4 &u, float f[8]) {
-    float2 t;
-    t = pd_unpack2(u.x, (__half *)nullptr); f[0] = t.x; f[1] = t.y;
-    t = pd_unpack2(u.y, (__half *)nullptr); f[2] = t.x; f[3] = t.y;
-    t = pd_unpack2(u.z, (__half *)nullptr); f[4] = t.x; f[5] = t.y;
-    t = pd_unpack2(u.w, (__half *)nullptr); f[6] = t.x; f[7] = t.y;
-  }
-};
+template <> struct wvec<__nv_bfloat16> : wvec16<__nv_bfloat16> {};
+template <> struct wvec<__half> : wvec16<__half> {};
 template <> struct wvec<float> {
   static constexpr int n = 4;
   __device__ static void unpack(const uint4 &u, float f[4]) {

@@ -81,6 +81,10 @@ __device__ __forceinline__ float pd_warp_max(float v) {
 
 /* ---- launchers (host side; all asynchronous on `st`) ------------------------------------------ */
 
+/* Allows `kernel` (a __global__ function) `bytes` of dynamic shared memory on the current device
+ * (the opt-in above the 48 KiB default); the attribute is set once per kernel and device. */
+cudaError_t pd_cuda_smem_optin(const void *kernel, size_t bytes);
+
 /* Elementwise family: shapes as in backend.h. dt / kv dtype are F32, F16 or BF16. */
 void pd_cuda_rmsnorm(cudaStream_t st, float *y, float *x, const float *r, const float *w,
                      float eps, int M, int D);

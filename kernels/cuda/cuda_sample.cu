@@ -58,7 +58,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <atomic>
 
 #include "cuda_state.h"
 
@@ -1068,17 +1067,9 @@ sample_kernel(const float *__restrict__ logits, int V, const Row *__restrict__ r
 
 size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
-/* The kernel's shared memory is above the 48 KiB default: opt in once per device. */
-std::atomic<unsigned long long> g_attr_done{0};
-
+/* The kernel's shared memory is above the 48 KiB default. */
 bool ensure_smem_attr(cuda_impl *c) {
-  const unsigned long long bit = c->dev < 64 ? 1ull << c->dev : 0;
-  if (bit && (g_attr_done.load(std::memory_order_relaxed) & bit)) return true;
-  if (!CK(c, cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)sizeof(Shared))))
-    return false;
-  if (bit) g_attr_done.fetch_or(bit, std::memory_order_relaxed);
-  return true;
+  return CK(c, pd_cuda_smem_optin((const void *)sample_kernel, sizeof(Shared)));
 }
 
 /* Pinned staging of at least `bytes`; grown (after a sync) only when a call needs more. */

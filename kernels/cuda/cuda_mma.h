@@ -1,0 +1,66 @@
+/* Device helpers shared by the tensor-core attention kernels (cuda_attn_prefill.cu,
+ * cuda_attn_decode_tc.cu): mma.sync m16n8k16 with f32 accumulation on bf16 or f16 operands,
+ * operand packing, ldmatrix, cp.async, 32-bit shared loads. CUDA C++ only; sm_80+. */
+#ifndef PD_CUDA_MMA_H
+#define PD_CUDA_MMA_H
+
+#include "cuda_internal.h"
+
+/* pd_tc<T>::pack(lo, hi): two floats as one 32-bit register of T; pd_tc<T>::mma(c, a, b0, b1):
+ * c += a b for an m16n8k16 tile (A row-major fragments a[4], B column-major b0, b1). */
+template <typename T> struct pd_tc;
+template <> struct pd_tc<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+  }
+  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct pd_tc<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+  }
+  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+/* Four transposed 8x8 b16 matrices from shared memory (B fragments of a row-major tile). */
+__device__ __forceinline__ void pd_ldmatrix_x4_trans(uint32_t r[4], const void *p) {
+  uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+/* 16 bytes global -> shared, asynchronous; src_bytes 0 writes zeros. */
+__device__ __forceinline__ void pd_cp_async16(void *dst, const void *src, int src_bytes) {
+  uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void pd_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n");
+}
+template <int N> __device__ __forceinline__ void pd_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t pd_lds32(const void *p) {
+  return *reinterpret_cast<const uint32_t *>(p);
+}
+
+#endif
