@@ -8,7 +8,12 @@
  *                        bias, f32 -> bf16/f16 conversion
  *   cuda_gemv.cu         y = x W^T for small M (memory-bound; the backend uses it for M <= 2)
  *   cuda_attn_decode.cu  split-K paged decode attention, the split merge, the generic kernel
- *   cuda_attn_prefill.cu FlashAttention-style paged prefill on bf16 tensor cores */
+ *   cuda_attn_prefill.cu FlashAttention-style paged prefill on bf16 tensor cores
+ *   cuda_attn_decode_tc.cu tensor-core decode attention for bf16/f16 caches
+ *   cuda_mma.h           mma.sync / ldmatrix / cp.async helpers of the two tensor-core kernels
+ * Further ops, registered by pd_backend_cuda_create (state in cuda_state.h): cuda_sample.cu
+ * (sampling), cuda_kvstage.cu (KV staging, pinned memory), cuda_graph.cu (capture and replay),
+ * cuda_profile.cu (PD_CUDA_PROFILE timers). */
 #ifndef PD_CUDA_INTERNAL_H
 #define PD_CUDA_INTERNAL_H
 
