@@ -48,6 +48,7 @@ struct pd_engine {
   int n_owned, cap_owned;
   /* activations [max_batch_tokens, ...] */
   float *x, *xn, *q, *k, *v, *attn, *gu, *act, *sel, *logits;
+  float *xg; /* [T, D]: the RMSNorm hand-off of matmul_fused (NULL without it) */
   float *qkv; /* [T, qd + 2 kd] with fused QKV */
   /* metadata on the backend */
   int32_t *d_tokens, *d_pos, *d_slots, *d_qstart, *d_ctx, *d_bt, *d_rows;
@@ -285,6 +286,7 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
   if (!((ptr) = eng_alloc(g, (n) * sizeof(float), e))) goto fail
   ALLOC_F(g->x, T * g->D);
   ALLOC_F(g->xn, T * g->D);
+  if (g->be->ops.matmul_fused) ALLOC_F(g->xg, T * g->D);
   ALLOC_F(g->q, T * qd);
   ALLOC_F(g->k, T * kd);
   ALLOC_F(g->v, T * kd);
@@ -407,10 +409,75 @@ static pd_status validate_sampling(const pd_engine *g, const pd_batch *b, pd_err
   return PD_OK;
 }
 
+/* run_model on a backend with matmul_fused: each residual add rides in the matmul that produces
+ * it, each RMSNorm in the matmul after it (with the hand-off of pd_mm_fused from the matmul
+ * before), RoPE and the cache write in the QKV matmul: a decode layer is four matmuls and the
+ * attention. */
+static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int max_ctx,
+                            int n_logits) {
+  pd_backend *be = g->be;
+  const pd_model_config *c = &g->m->cfg;
+  const int D = g->D, F = g->F, hd = g->hd;
+  const int qd = g->nq * hd, kd = g->nkv * hd;
+  pd_attn_batch ab = {n_seqs, M, g->d_qstart, g->d_ctx, g->d_bt, max_blocks, max_ctx};
+  const float scale = 1.0f / sqrtf((float)hd);
+  const float eps = (float)c->rms_norm_eps;
+
+  be->ops.embed(be, g->x, g->tok_emb, g->m->tok_embeddings.dtype, g->d_tokens, M, D);
+  for (int l = 0; l < c->num_layers; l++) {
+    const eng_layer *L = &g->layers[l];
+    const pd_layer_weights *W = &g->m->layers[l];
+    if (L->wqkv) {
+      const pd_mm_fused qkv = {.y = g->qkv, .x = g->x, .w = L->wqkv, .wdt = W->wq.dtype,
+                               .bias = L->bqkv, .M = M, .N = qd + 2 * kd, .K = D,
+                               .norm_w = L->attn_norm, .eps = eps, .xn = g->xn, .xg = g->xg,
+                               .epilogue = PD_MM_ROPE_KV, .q_out = g->q, .pos = g->d_pos,
+                               .inv_freq = g->inv_freq, .kv = &L->kv, .shape = &g->kvs,
+                               .slots = g->d_slots, .n_q_heads = g->nq};
+      be->ops.matmul_fused(be, &qkv);
+    } else {
+      be->ops.rmsnorm(be, g->xn, g->x, L->attn_norm, eps, M, D);
+      be->ops.matmul(be, g->q, g->xn, L->wq, W->wq.dtype, L->bq, M, qd, D);
+      be->ops.matmul(be, g->k, g->xn, L->wk, W->wk.dtype, L->bk, M, kd, D);
+      be->ops.matmul(be, g->v, g->xn, L->wv, W->wv.dtype, L->bv, M, kd, D);
+      be->ops.rope(be, g->q, g->k, g->d_pos, g->inv_freq, M, g->nq, g->nkv, hd);
+      be->ops.kv_write(be, &L->kv, &g->kvs, g->k, g->v, g->d_slots, M);
+    }
+    be->ops.attention(be, g->attn, g->q, &L->kv, &g->kvs, &ab, g->nq, scale, L->window);
+    const pd_mm_fused o = {.y = g->x, .x = g->attn, .w = L->wo, .wdt = W->wo.dtype, .bias = L->bo,
+                           .M = M, .N = D, .K = qd, .epilogue = PD_MM_ACCUMULATE,
+                           .norm_next = L->ffn_norm, .xg = g->xg};
+    be->ops.matmul_fused(be, &o);
+    const pd_mm_fused gu = {.y = g->act, .x = g->x, .w = L->wgu, .wdt = W->w_gate.dtype,
+                            .bias = L->bgu, .M = M, .N = 2 * F, .K = D, .norm_w = L->ffn_norm,
+                            .eps = eps, .xn = g->xn, .epilogue = PD_MM_GLU, .gu = g->gu,
+                            .xg = g->xg};
+    be->ops.matmul_fused(be, &gu);
+    const pd_mm_fused down = {
+        .y = g->x, .x = g->act, .w = L->wdown, .wdt = W->w_down.dtype, .bias = L->bdown,
+        .M = M, .N = D, .K = F, .epilogue = PD_MM_ACCUMULATE,
+        .norm_next = l + 1 < c->num_layers ? g->layers[l + 1].attn_norm : NULL, .xg = g->xg};
+    be->ops.matmul_fused(be, &down);
+  }
+  if (n_logits > 0) {
+    /* final norm and LM head only on the rows asked for */
+    be->ops.get_rows(be, g->xn, g->x, g->d_rows, n_logits, D);
+    const pd_mm_fused head = {.y = g->logits, .x = g->xn, .w = g->lm_head,
+                              .wdt = g->m->lm_head.dtype, .M = n_logits, .N = g->V, .K = D,
+                              .norm_w = g->final_norm, .eps = eps, .xn = g->xn,
+                              .epilogue = PD_MM_STORE};
+    be->ops.matmul_fused(be, &head);
+  }
+}
+
 /* The layers, the final norm and the LM head over the metadata already on the backend. */
 static void run_model(pd_engine *g, int M, int n_seqs, int max_blocks, int max_ctx,
                       int n_logits) {
   pd_backend *be = g->be;
+  if (be->ops.matmul_fused) {
+    run_model_fused(g, M, n_seqs, max_blocks, max_ctx, n_logits);
+    return;
+  }
   const pd_model_config *c = &g->m->cfg;
   const int D = g->D, F = g->F, hd = g->hd;
   const int qd = g->nq * hd, kd = g->nkv * hd;

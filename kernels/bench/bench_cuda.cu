@@ -282,7 +282,8 @@ int main(int argc, char **argv) {
       int S, n_new, ctx;
       pd_dtype dt;
     } pc[] = {{1, 4096, 4096, PD_DTYPE_BF16}, {1, 4096, 4096, PD_DTYPE_F32},
-              {4, 1024, 1024, PD_DTYPE_BF16}, {4, 512, 4096, PD_DTYPE_BF16}};
+              {4, 1024, 1024, PD_DTYPE_BF16}, {4, 512, 4096, PD_DTYPE_BF16},
+              {1, 2048, 8192, PD_DTYPE_BF16}};
     for (auto &c : pc) {
       double us = attn_case(c.S, c.n_new, c.ctx, 32, 8, 128, 16, c.dt, &bytes);
       /* attended (query, key) pairs: for query i of n_new (position ctx - n_new + i), pos + 1 */

@@ -61,15 +61,6 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     return;
   }
 
-  /* Q rows (scaled into the log2 domain), zero rows past G */
-  const float qscale = a.scale * PD_LOG2E;
-  for (int i = tid; i < 16 * (HD / 2); i += kThreads) {
-    const int r = i / (HD / 2), d = (i - r * (HD / 2)) * 2;
-    float2 v = make_float2(0.0f, 0.0f);
-    if (r < G) v = *reinterpret_cast<const float2 *>(a.q + (qrow0 + r) * HD + d);
-    *reinterpret_cast<uint32_t *>(&sQ[r * LD + d]) = pd_tc<KT>::pack(v.x * qscale, v.y * qscale);
-  }
-
   const KT *kc = static_cast<const KT *>(a.k), *vc = static_cast<const KT *>(a.v);
   const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
   const int n_tiles = (kend - kbeg + BN - 1) / BN;
@@ -88,7 +79,17 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     pd_cp_async_commit();
   };
 
+  /* the first tile's copies go out before Q is staged: the two loads overlap */
   load_tile(0, 0);
+  /* Q rows (scaled into the log2 domain), zero rows past G */
+  const float qscale = a.scale * PD_LOG2E;
+  for (int i = tid; i < 16 * (HD / 2); i += kThreads) {
+    const int r = i / (HD / 2), d = (i - r * (HD / 2)) * 2;
+    float2 v = make_float2(0.0f, 0.0f);
+    if (r < G) v = *reinterpret_cast<const float2 *>(a.q + (qrow0 + r) * HD + d);
+    *reinterpret_cast<uint32_t *>(&sQ[r * LD + d]) = pd_tc<KT>::pack(v.x * qscale, v.y * qscale);
+  }
+
   __syncthreads(); /* sQ */
   uint32_t qa[KS][4];
 #pragma unroll

@@ -17,6 +17,7 @@
  * Finally O / l is written (one split) or O and (m, l) go to the split partials. */
 #include <cub/block/block_scan.cuh>
 #include <math.h>
+#include <stdlib.h>
 
 #include "cuda_mma.h"
 
@@ -83,8 +84,10 @@ tile_scan_kernel(int32_t *tile_start, const int32_t *__restrict__ q_start, int n
   if (threadIdx.x == 0) tile_start[n_seqs] = carry;
 }
 
-template <int HD, typename KT>
-__global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) {
+/* MINB: blocks per SM the registers are budgeted for (2: up to 255 registers; 3: 168, which
+ * spills a little at head dim 128); PD_CUDA_PREFILL_MINB picks, for measurements. */
+template <int HD, typename KT, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB) attn_prefill_kernel(pd_cuda_attn a) {
   constexpr int KS = HD / 16; /* k-steps of Q K^T */
   constexpr int NT = BN / 8;  /* 8-key column tiles of S */
   constexpr int DT = HD / 8;  /* 8-dim column tiles of O */
@@ -96,7 +99,9 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
   extern __shared__ __align__(16) unsigned char pf_dyn[];
   __nv_bfloat16 *const tiles = reinterpret_cast<__nv_bfloat16 *>(pf_dyn);
   __nv_bfloat16 *sK = tiles, *sV = tiles + BN * LD; /* stage 0; sK also stages Q */
-  __shared__ long long sRow[BN]; /* element offset of each key's row in the cache; -1: none */
+  /* element offset of each key's row in the cache (-1: none), for two tiles: bf16 caches look
+   * them up two tiles ahead, so that issuing a tile's copies is only address arithmetic */
+  __shared__ long long sRow[2][BN];
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, lg = lane >> 2, lt = lane & 3;
   const int bx = blockIdx.x;
@@ -169,43 +174,54 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
   const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
   const int win = a.window;
 
+  /* the cache offsets of tile kt0's rows into sRow[buf] (threads < BN) */
+  auto rows = [&](int kt0, int buf) {
+    if (tid < BN) {
+      const int kp = kt0 + tid;
+      sRow[buf][tid] = kp < ke ? (((long long)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD : -1LL;
+    }
+  };
   /* bf16 caches: tile i + 1's copies are in flight while tile i is computed */
-  auto issue = [&](int kt0, int stage) {
+  static_assert(BN * CPR % kThreads == 0, "copies per thread");
+  auto issue = [&](int stage) {
     __nv_bfloat16 *dk0 = tiles + stage * SM::STAGE, *dv0 = dk0 + BN * LD;
-    for (int i = tid; i < BN * CPR; i += kThreads) {
-      const int r = i / CPR, c = i - r * CPR, kp = kt0 + r;
-      const bool ok = kp < ke;
-      const size_t off =
-          ok ? (((size_t)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD + (size_t)c * EPC : 0;
-      pd_cp_async16(&dk0[r * LD + c * EPC], kc + off, ok ? 16 : 0);
-      pd_cp_async16(&dv0[r * LD + c * EPC], vc + off, ok ? 16 : 0);
+#pragma unroll
+    for (int k = 0; k < BN * CPR / kThreads; k++) {
+      const int i = tid + k * kThreads, r = i / CPR, c = i - r * CPR;
+      const long long ro = sRow[stage][r];
+      const size_t off = ro >= 0 ? (size_t)ro + (size_t)c * EPC : 0;
+      pd_cp_async16(&dk0[r * LD + c * EPC], kc + off, ro >= 0 ? 16 : 0);
+      pd_cp_async16(&dv0[r * LD + c * EPC], vc + off, ro >= 0 ? 16 : 0);
     }
     pd_cp_async_commit();
   };
   if constexpr (SM::ASYNC) {
-    if (kb < ke) issue(kb, 0);
+    rows(kb, 0);
+    if (kb + BN < ke) rows(kb + BN, 1);
+    __syncthreads();
+    issue(0);
   }
   int it = 0;
   for (int kt = kb; kt < ke; kt += BN, it++) {
     if constexpr (SM::ASYNC) {
       if (kt + BN < ke) {
-        issue(kt + BN, (it + 1) & 1);
+        issue((it + 1) & 1);
         pd_cp_async_wait<1>();
       } else {
         pd_cp_async_wait<0>();
       }
+      /* tile it's offsets are used up: the buffer takes tile it + 2's (read after the barrier
+       * at the end of this iteration) */
+      if (kt + 2 * BN < ke) rows(kt + 2 * BN, it & 1);
       __syncthreads();
       sK = tiles + (it & 1) * SM::STAGE;
       sV = sK + BN * LD;
     } else {
-      if (tid < BN) {
-        const int kp = kt + tid;
-        sRow[tid] = kp < ke ? (((long long)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD : -1LL;
-      }
+      rows(kt, 0);
       __syncthreads();
       for (int i = tid; i < BN * CPR; i += kThreads) {
         const int r = i / CPR, c = i - r * CPR;
-        const long long off = sRow[r];
+        const long long off = sRow[0][r];
         __nv_bfloat16 *dk = &sK[r * LD + c * EPC], *dv = &sV[r * LD + c * EPC];
         if (off >= 0) {
           stage16(dk, kc + off + c * EPC);
@@ -218,49 +234,65 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
       __syncthreads();
     }
 
-    /* S = Q K^T for this warp's 16 rows x BN keys */
+    /* S = Q K^T for this warp's 16 rows x BN keys; K's B fragments by ldmatrix, two k-steps
+     * per instruction */
     float sa[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
       sa[nt][0] = sa[nt][1] = sa[nt][2] = sa[nt][3] = 0.0f;
 #pragma unroll
-      for (int ks = 0; ks < KS; ks++) {
-        const __nv_bfloat16 *kr = &sK[(nt * 8 + lg) * LD + ks * 16 + lt * 2];
-        pd_tc<__nv_bfloat16>::mma(sa[nt], qa[ks], pd_lds32(kr), pd_lds32(kr + 8));
+      for (int ks = 0; ks + 1 < KS; ks += 2) {
+        uint32_t kb4[4];
+        pd_ldmatrix_x4(kb4, &sK[(nt * 8 + (lane & 7)) * LD + ks * 16 + (lane >> 3) * 8]);
+        pd_tc<__nv_bfloat16>::mma(sa[nt], qa[ks], kb4[0], kb4[1]);
+        pd_tc<__nv_bfloat16>::mma(sa[nt], qa[ks + 1], kb4[2], kb4[3]);
+      }
+      if constexpr (KS % 2 == 1) {
+        const __nv_bfloat16 *kr = &sK[(nt * 8 + lg) * LD + (KS - 1) * 16 + lt * 2];
+        pd_tc<__nv_bfloat16>::mma(sa[nt], qa[KS - 1], pd_lds32(kr), pd_lds32(kr + 8));
       }
     }
-    /* mask, scale to log2 units, row maxima (a row lives in the 4 lanes of a quad) */
+    /* mask (only tiles that reach past the end, the diagonal or the window's edge), row maxima
+     * (a row lives in the 4 lanes of a quad); scores stay unscaled until the exponential */
+    const bool need_mask =
+        kt + BN > ke || kt + BN - 1 > pmin || (win > 0 && kt <= pmax - win);
+    if (need_mask) {
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int kp = kt + nt * 8 + lt * 2 + e;
+          const bool okA = kp < ke && kp <= posA && (win <= 0 || kp > posA - win);
+          const bool okB = kp < ke && kp <= posB && (win <= 0 || kp > posB - win);
+          if (!okA) sa[nt][e] = -INFINITY;
+          if (!okB) sa[nt][2 + e] = -INFINITY;
+        }
+      }
+    }
     float mxA = -INFINITY, mxB = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int kp = kt + nt * 8 + lt * 2 + e;
-        const bool okA = kp < ke && kp <= posA && (win <= 0 || kp > posA - win);
-        const bool okB = kp < ke && kp <= posB && (win <= 0 || kp > posB - win);
-        sa[nt][e] = okA ? sa[nt][e] * sl2 : -INFINITY;
-        sa[nt][2 + e] = okB ? sa[nt][2 + e] * sl2 : -INFINITY;
-        mxA = fmaxf(mxA, sa[nt][e]);
-        mxB = fmaxf(mxB, sa[nt][2 + e]);
-      }
+      mxA = fmaxf(mxA, fmaxf(sa[nt][0], sa[nt][1]));
+      mxB = fmaxf(mxB, fmaxf(sa[nt][2], sa[nt][3]));
     }
     mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
     mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
     mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
     mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-    const float mnA = fmaxf(mA, mxA), mnB = fmaxf(mB, mxB);
+    /* running maxima in log2 units (the scale is positive: max then scale = scale then max) */
+    const float mnA = fmaxf(mA, mxA * sl2), mnB = fmaxf(mB, mxB * sl2);
     /* a row with no key yet keeps max -inf: use 0 as the offset so exp2 gives 0, not NaN */
     const float muA = mnA == -INFINITY ? 0.0f : mnA, muB = mnB == -INFINITY ? 0.0f : mnB;
-    const float corrA = exp2f(mA - muA), corrB = exp2f(mB - muB);
+    const float corrA = pd_ex2(mA - muA), corrB = pd_ex2(mB - muB);
     mA = mnA;
     mB = mnB;
     float sumA = 0.0f, sumB = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
-      sa[nt][0] = exp2f(sa[nt][0] - muA);
-      sa[nt][1] = exp2f(sa[nt][1] - muA);
-      sa[nt][2] = exp2f(sa[nt][2] - muB);
-      sa[nt][3] = exp2f(sa[nt][3] - muB);
+      sa[nt][0] = pd_ex2(fmaf(sa[nt][0], sl2, -muA));
+      sa[nt][1] = pd_ex2(fmaf(sa[nt][1], sl2, -muA));
+      sa[nt][2] = pd_ex2(fmaf(sa[nt][2], sl2, -muB));
+      sa[nt][3] = pd_ex2(fmaf(sa[nt][3], sl2, -muB));
       sumA += sa[nt][0] + sa[nt][1];
       sumB += sa[nt][2] + sa[nt][3];
     }
@@ -327,11 +359,28 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(pd_cuda_attn a) 
   }
 }
 
+template <int HD, typename KT, int MINB>
+void prefill_launch_b(cudaStream_t st, const pd_cuda_attn *a, dim3 grid) {
+  const size_t smem = pf_smem<HD, KT>::BYTES;
+  if (smem > 48 * 1024) pd_cuda_smem_optin((const void *)attn_prefill_kernel<HD, KT, MINB>, smem);
+  attn_prefill_kernel<HD, KT, MINB><<<grid, kThreads, smem, st>>>(*a);
+}
+
+int prefill_minb() {
+  static int v = 0;
+  if (!v) {
+    const char *ev = getenv("PD_CUDA_PREFILL_MINB");
+    v = ev && atoi(ev) == 3 ? 3 : 2;
+  }
+  return v;
+}
+
 template <int HD, typename KT> void prefill_launch(cudaStream_t st, const pd_cuda_attn *a,
                                                    dim3 grid) {
-  const size_t smem = pf_smem<HD, KT>::BYTES;
-  if (smem > 48 * 1024) pd_cuda_smem_optin((const void *)attn_prefill_kernel<HD, KT>, smem);
-  attn_prefill_kernel<HD, KT><<<grid, kThreads, smem, st>>>(*a);
+  if (prefill_minb() == 3)
+    prefill_launch_b<HD, KT, 3>(st, a, grid);
+  else
+    prefill_launch_b<HD, KT, 2>(st, a, grid);
 }
 
 template <int HD>

@@ -201,6 +201,63 @@ void cu_sync(pd_backend *be) {
 
 /* ---- matmul ------------------------------------------------------------------------------- */
 
+/* Our GEMV up to gemv_max_m() rows (default 2), cuBLAS above: on the H200 the GEMV reads W at
+ * 63-95% of copy bandwidth for M <= 2 but under 60% at M = 8, where cuBLAS does better.
+ * PD_CUDA_GEMV_MAX_M (1..8) overrides, for measurements. */
+static int gemv_max_m(void) {
+  static int v = 0;
+  if (!v) {
+    const char *ev = getenv("PD_CUDA_GEMV_MAX_M");
+    int n = ev ? atoi(ev) : 2;
+    v = n >= 1 && n <= PD_CUDA_GEMV_MAX_M ? n : 2;
+  }
+  return v;
+}
+
+/* cuBLAS: y[M,N] (type yt) = x16[M,K] W[N,K]^T + beta y, 16-bit operands, f32 accumulation.
+ * Row-major y = x W^T is, column-major, y^T[N,M] = W^T... : A = W seen as a K x N column-major
+ * matrix (lda = K) transposed, B = x as K x M (ldb = K), C = y as N x M. */
+static void gemm16(cuda_impl *c, void *y, cudaDataType_t yt, const void *x16, const void *w,
+                   pd_dtype wdt, int M, int N, int K, float beta) {
+  const float one = 1.0f;
+  const cudaDataType_t t = wdt == PD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+  CKB(c, cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, t, K, x16, t, K, &beta,
+                      y, yt, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+/* y = x W^T + bias, or y += that when accumulate. */
+static void matmul_impl(cuda_impl *c, float *y, const float *x, const void *w, pd_dtype wdt,
+                        const float *bias, int M, int N, int K, bool accumulate) {
+  if (K == 0) {
+    if (!accumulate) CK(c, cudaMemsetAsync(y, 0, (size_t)M * N * sizeof(float), c->st));
+    if (bias) pd_cuda_bias(c->st, y, bias, M, N);
+    CK_LAUNCH(c, "matmul (K = 0)");
+    return;
+  }
+  if (M <= gemv_max_m()) {
+    pd_cuda_gemv(c->st, y, x, w, wdt, bias, M, N, K, accumulate);
+    CK_LAUNCH(c, "gemv");
+    return;
+  }
+  /* Row-major y[M,N] = x[M,K] W[N,K]^T is, column-major, y^T[N,M] = W^T... : A = W seen as a
+   * K x N column-major matrix (lda = K) transposed, B = x as K x M (ldb = K), C = y as N x M. */
+  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  if (wdt == PD_DTYPE_F32) {
+    CKB(c, cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, CUDA_R_32F, K, x,
+                        CUDA_R_32F, K, &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F_FAST_TF32,
+                        CUBLAS_GEMM_DEFAULT));
+  } else {
+    grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
+    pd_cuda_convert(c->st, c->xconv, wdt, x, (size_t)M * K);
+    CK_LAUNCH(c, "convert x");
+    gemm16(c, y, CUDA_R_32F, c->xconv, w, wdt, M, N, K, beta);
+  }
+  if (bias) {
+    pd_cuda_bias(c->st, y, bias, M, N);
+    CK_LAUNCH(c, "bias");
+  }
+}
+
 void cu_matmul(pd_backend *be, float *y, const float *x, const void *w, pd_dtype wdt,
                const float *bias, int M, int N, int K) {
   cuda_impl *c = impl_of(be);
@@ -208,45 +265,7 @@ void cu_matmul(pd_backend *be, float *y, const float *x, const void *w, pd_dtype
   PD_ASSERT(float_dtype(wdt));
   if (M == 0 || N == 0) return;
   use_device(c);
-  if (K == 0) {
-    CK(c, cudaMemsetAsync(y, 0, (size_t)M * N * sizeof(float), c->st));
-    if (bias) pd_cuda_bias(c->st, y, bias, M, N);
-    CK_LAUNCH(c, "matmul (K = 0)");
-    return;
-  }
-  /* Our GEMV up to gemv_max_m rows (default 2), cuBLAS above: on the H200 the GEMV reads W at
-   * 63-95% of copy bandwidth for M <= 2 but under 60% at M = 8, where cuBLAS does better.
-   * PD_CUDA_GEMV_MAX_M (1..8) overrides, for measurements. */
-  static int gemv_max_m = 0;
-  if (!gemv_max_m) {
-    const char *ev = getenv("PD_CUDA_GEMV_MAX_M");
-    int v = ev ? atoi(ev) : 2;
-    gemv_max_m = v >= 1 && v <= PD_CUDA_GEMV_MAX_M ? v : 2;
-  }
-  if (M <= gemv_max_m) {
-    pd_cuda_gemv(c->st, y, x, w, wdt, bias, M, N, K);
-    CK_LAUNCH(c, "gemv");
-    return;
-  }
-  /* Row-major y[M,N] = x[M,K] W[N,K]^T is, column-major, y^T[N,M] = W^T... : A = W seen as a
-   * K x N column-major matrix (lda = K) transposed, B = x as K x M (ldb = K), C = y as N x M. */
-  const float one = 1.0f, zero = 0.0f;
-  if (wdt == PD_DTYPE_F32) {
-    CKB(c, cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, CUDA_R_32F, K, x,
-                        CUDA_R_32F, K, &zero, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F_FAST_TF32,
-                        CUBLAS_GEMM_DEFAULT));
-  } else {
-    const cudaDataType_t t = wdt == PD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-    grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
-    pd_cuda_convert(c->st, c->xconv, wdt, x, (size_t)M * K);
-    CK_LAUNCH(c, "convert x");
-    CKB(c, cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, t, K, c->xconv, t, K,
-                        &zero, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  }
-  if (bias) {
-    pd_cuda_bias(c->st, y, bias, M, N);
-    CK_LAUNCH(c, "bias");
-  }
+  matmul_impl(c, y, x, w, wdt, bias, M, N, K, false);
 }
 
 /* ---- row ops ------------------------------------------------------------------------------ */
@@ -338,13 +357,148 @@ void cu_matmul_glu(pd_backend *be, float *act, float *gu, const float *x, const 
   if (M == 0 || F == 0) return;
   use_device(c);
   if (K > 0 && pd_cuda_gemv_glu_ok(x, w, wdt, M, K)) {
-    pd_cuda_gemv_glu(c->st, act, x, w, wdt, bias, M, F, K);
+    pd_cuda_gemv_glu(c->st, act, x, w, wdt, bias, M, F, K, NULL);
     CK_LAUNCH(c, "gemv_glu");
     return;
   }
   be->ops.matmul(be, gu, x, w, wdt, bias, M, 2 * F, K);
   pd_cuda_swiglu(c->st, act, gu, M, F);
   CK_LAUNCH(c, "swiglu");
+}
+
+/* Decode rows (M <= 2) run as one GEMV kernel with the epilogue inside, and the RMSNorm
+ * hand-off (see pd_cuda_gemv_pre) between them, so that a decode layer is five GEMV kernels and
+ * the attention; where there is no hand-off (the first layer, the LM head) the norm runs as its
+ * own kernel first. Larger M run the separate kernels (RMSNorm into the 16-bit GEMM operand,
+ * cuBLAS, then the epilogue's kernel; the residual add is cuBLAS's beta = 1). */
+void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
+  cuda_impl *c = impl_of(be);
+  const int M = p->M, N = p->N, K = p->K;
+  PD_ASSERT(M >= 0 && N >= 0 && K >= 0);
+  PD_ASSERT(float_dtype(p->wdt));
+  PD_ASSERT(p->epilogue != PD_MM_GLU || N % 2 == 0);
+  if (p->epilogue == PD_MM_ROPE_KV) {
+    const pd_kv_shape *sh = p->shape;
+    PD_ASSERT(p->n_q_heads > 0 && sh->head_dim % 2 == 0 && sh->head_dim <= 256);
+    PD_ASSERT(N == (p->n_q_heads + 2 * sh->num_kv_heads) * sh->head_dim);
+    PD_ASSERT(float_dtype(sh->dtype));
+  }
+  /* the hand-off the previous call left, if it is for this one (consumed either way) */
+  const bool ho_in = c->ho_valid && p->norm_w && p->xg && c->ho_xg == p->xg &&
+                     c->ho_g == p->norm_w && c->ho_y == p->x && c->ho_M == M && c->ho_N == K;
+  c->ho_valid = false;
+  if (M == 0 || N == 0) return;
+  use_device(c);
+  /* PD_CUDA_FUSE_NORM=0: no hand-off, every norm a kernel of its own (a measurement switch) */
+  static int fuse_norm = -1;
+  if (fuse_norm < 0) {
+    const char *ev = getenv("PD_CUDA_FUSE_NORM");
+    fuse_norm = !(ev && !strcmp(ev, "0"));
+  }
+  const bool small = K > 0 && M <= gemv_max_m() &&
+                     pd_cuda_gemv_glu_ok(p->x, p->w, p->wdt, M, K);
+  if (small) {
+    const float *xs = p->x;
+    pd_cuda_gemv_pre pre = {NULL, 0, p->eps}, *prep = NULL;
+    if (p->norm_w) {
+      if (ho_in && fuse_norm && pd_cuda_gemv_glu_ok(p->xg, p->w, p->wdt, M, K)) {
+        xs = p->xg;
+        pre.ss = c->ho_ss[c->ho_buf];
+        pre.parts = c->ho_parts;
+        prep = &pre;
+      } else {
+        pd_cuda_rmsnorm(c->st, p->xn, const_cast<float *>(p->x), NULL, p->norm_w, p->eps, M, K);
+        CK_LAUNCH(c, "rmsnorm");
+        xs = p->xn;
+      }
+    }
+    switch (p->epilogue) {
+    case PD_MM_GLU:
+      pd_cuda_gemv_glu(c->st, p->y, xs, p->w, p->wdt, p->bias, M, N / 2, K, prep);
+      break;
+    case PD_MM_ROPE_KV:
+      pd_cuda_gemv_rope_kv(c->st, p->q_out, xs, p->w, p->wdt, p->bias, M, K, prep, p->pos,
+                           p->inv_freq, p->kv, p->shape, p->slots, p->n_q_heads);
+      break;
+    default: {
+      /* hand-off out: into the buffer this call does not read */
+      const int parts = pd_cuda_gemv_next_parts(N);
+      const bool ho_out = fuse_norm && p->norm_next && p->xg && !prep &&
+                          parts <= PD_CUDA_HO_PARTS && M <= 2;
+      const int buf = c->ho_buf ^ 1;
+      pd_cuda_gemv_fused(c->st, p->y, xs, p->w, p->wdt, p->bias, M, N, K,
+                         p->epilogue == PD_MM_ACCUMULATE, prep, ho_out ? p->norm_next : NULL,
+                         ho_out ? p->xg : NULL, ho_out ? c->ho_ss[buf] : NULL);
+      if (ho_out) {
+        c->ho_valid = true;
+        c->ho_buf = buf;
+        c->ho_y = p->y;
+        c->ho_xg = p->xg;
+        c->ho_g = p->norm_next;
+        c->ho_M = M;
+        c->ho_N = N;
+        c->ho_parts = parts;
+      }
+    }
+    }
+    CK_LAUNCH(c, "gemv (fused)");
+    return;
+  }
+  /* Larger M. With 16-bit weights the GEMM operand is made once in 16 bits (the norm writes it
+   * directly), and the GLU's gate/up product stays 16-bit (cuBLAS writes bf16/f16 into gu, the
+   * SwiGLU kernel reads it): half the traffic of f32 intermediates. */
+  const bool w16 = p->wdt != PD_DTYPE_F32 && K > 0 && M > gemv_max_m();
+  const float *x = p->x;
+  const void *x16 = NULL;
+  if (p->norm_w && w16 && pd_cuda_rmsnorm16_ok(p->x, p->norm_w, K)) {
+    grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
+    pd_cuda_rmsnorm16(c->st, c->xconv, p->wdt, p->x, p->norm_w, p->eps, M, K);
+    CK_LAUNCH(c, "rmsnorm (16-bit out)");
+    x16 = c->xconv;
+  } else if (p->norm_w) {
+    pd_cuda_rmsnorm(c->st, p->xn, const_cast<float *>(p->x), NULL, p->norm_w, p->eps, M, K);
+    CK_LAUNCH(c, "rmsnorm");
+    x = p->xn;
+  }
+  if (w16 && !x16) {
+    grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
+    pd_cuda_convert(c->st, c->xconv, p->wdt, x, (size_t)M * K);
+    CK_LAUNCH(c, "convert x");
+    x16 = c->xconv;
+  }
+  const cudaDataType_t t16 = p->wdt == PD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+  switch (p->epilogue) {
+  case PD_MM_GLU:
+    if (x16) {
+      gemm16(c, p->gu, t16, x16, p->w, p->wdt, M, N, K, 0.0f);
+      pd_cuda_swiglu16(c->st, p->y, p->gu, p->wdt, p->bias, M, N / 2);
+      CK_LAUNCH(c, "swiglu (16-bit in)");
+    } else {
+      matmul_impl(c, p->gu, x, p->w, p->wdt, p->bias, M, N, K, false);
+      pd_cuda_swiglu(c->st, p->y, p->gu, M, N / 2);
+      CK_LAUNCH(c, "swiglu");
+    }
+    break;
+  case PD_MM_ROPE_KV:
+  default: {
+    float *y = p->y;
+    const bool acc = p->epilogue == PD_MM_ACCUMULATE;
+    if (x16) {
+      gemm16(c, y, CUDA_R_32F, x16, p->w, p->wdt, M, N, K, acc ? 1.0f : 0.0f);
+      if (p->bias) {
+        pd_cuda_bias(c->st, y, p->bias, M, N);
+        CK_LAUNCH(c, "bias");
+      }
+    } else {
+      matmul_impl(c, y, x, p->w, p->wdt, p->bias, M, N, K, acc);
+    }
+    if (p->epilogue == PD_MM_ROPE_KV) {
+      pd_cuda_rope_kv_write(c->st, p->q_out, y, p->pos, p->inv_freq, p->kv, p->shape, p->slots,
+                            M, p->n_q_heads);
+      CK_LAUNCH(c, "rope_kv_write");
+    }
+  }
+  }
 }
 
 void cu_rope_kv_write(pd_backend *be, float *q_out, const float *qkv, const int32_t *pos,
@@ -440,7 +594,15 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
     int span = a.max_ctx_len;
     if (a.window > 0 && a.window < span) span = a.window;
     if (decode_kind == 0 && pd_cuda_attn_decode_tc_ok(&a)) {
-      choose_splits(c, &a, (long long)a.n_seqs * a.n_kv_heads, 6LL * c->n_sm, span, 256, 64);
+      /* few sequences (batch-1 decode): short splits, so that the latency of a block's serial
+       * walk over its keys does not set the step's time */
+      const long long blocks = (long long)a.n_seqs * a.n_kv_heads;
+      static int few_len = 0; /* PD_CUDA_DECODE_MINLEN: a measurement switch */
+      if (!few_len) {
+        const char *ev = getenv("PD_CUDA_DECODE_MINLEN");
+        few_len = ev && atoi(ev) >= 64 ? atoi(ev) / 64 * 64 : 64;
+      }
+      choose_splits(c, &a, blocks, 6LL * c->n_sm, span, blocks < c->n_sm ? few_len : 256, 64);
       if (a.n_splits > 1) a.split_len = 0; /* per sequence: see pd_cuda_attn */
       pd_cuda_attn_decode_tc(c->st, &a);
       CK_LAUNCH(c, "attention (decode, tensor cores)");
@@ -489,6 +651,7 @@ void cu_destroy(pd_backend *be) {
     cudaFree(c->blas_ws);
     cudaFree(c->xconv);
     cudaFree(c->attn_ws);
+    cudaFree(c->ho_ss[0]);
     cudaFree(c->tiles);
     pd_cuda_free_extras(c);
     for (int i = 0; i < 2; i++) {
@@ -576,6 +739,7 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   be->ops.destroy = cu_destroy;
   be->ops.matmul_glu = cu_matmul_glu;
   be->ops.rope_kv_write = cu_rope_kv_write;
+  be->ops.matmul_fused = cu_matmul_fused;
   pd_cuda_register_sample(be);
   pd_cuda_register_kvstage(be);
   pd_cuda_register_graph(be);
@@ -591,6 +755,8 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   } else if ((r = cudaMalloc(&c->blas_ws, kBlasWorkspace)) != cudaSuccess ||
              (r = cudaMalloc(&c->xconv, kXconvInitial)) != cudaSuccess ||
              (r = cudaMalloc((void **)&c->attn_ws, kAttnWorkspace)) != cudaSuccess ||
+             (r = cudaMalloc((void **)&c->ho_ss[0], 4 * PD_CUDA_HO_PARTS * sizeof(float))) !=
+                 cudaSuccess ||
              (r = cudaMalloc((void **)&c->tiles, kTilesInitial * sizeof(int32_t))) !=
                  cudaSuccess) {
     what = "allocating workspaces";
@@ -610,6 +776,7 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   }
   c->xconv_size = kXconvInitial;
   c->attn_ws_size = kAttnWorkspace;
+  c->ho_ss[1] = c->ho_ss[0] + 2 * PD_CUDA_HO_PARTS;
   c->tiles_cap = kTilesInitial;
   /* Pinned staging is an optimisation: without it to_host copies directly. */
   for (int i = 0; i < 2; i++) {

@@ -108,15 +108,6 @@ __global__ void embed_kernel(float *__restrict__ y, const T *__restrict__ table,
   for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = pd_to_f32(src[i]);
 }
 
-/* The rotation with explicit roundings (no FMA contraction), so that every kernel applying RoPE
- * gets the same bits. */
-__device__ __forceinline__ float rot0(float x0, float x1, float c, float s) {
-  return __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-}
-__device__ __forceinline__ float rot1(float x0, float x1, float c, float s) {
-  return __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
-}
-
 /* One block per token: each thread owns frequency indices i (stride blockDim), computes the
  * angle once (rounded to float first, as Hugging Face does) and rotates that pair in every head. */
 __global__ void rope_kernel(float *q, float *k, const int32_t *__restrict__ pos,
@@ -133,15 +124,15 @@ __global__ void rope_kernel(float *q, float *k, const int32_t *__restrict__ pos,
       for (int h = 0; h < nqh; h++) {
         float *v = qr + (size_t)h * hd;
         float x0 = v[i], x1 = v[i + half];
-        v[i] = rot0(x0, x1, c, s);
-        v[i + half] = rot1(x0, x1, c, s);
+        v[i] = pd_rope_rot0(x0, x1, c, s);
+        v[i + half] = pd_rope_rot1(x0, x1, c, s);
       }
     if (kr)
       for (int h = 0; h < nkvh; h++) {
         float *v = kr + (size_t)h * hd;
         float x0 = v[i], x1 = v[i + half];
-        v[i] = rot0(x0, x1, c, s);
-        v[i + half] = rot1(x0, x1, c, s);
+        v[i] = pd_rope_rot0(x0, x1, c, s);
+        v[i + half] = pd_rope_rot1(x0, x1, c, s);
       }
   }
 }
@@ -154,6 +145,56 @@ __global__ void swiglu_kernel(float *__restrict__ y, const float *__restrict__ g
     const float *row = gu + m * 2 * (size_t)F;
     float g = row[f], u = row[F + f];
     y[i] = g / (1.0f + expf(-g)) * u;
+  }
+}
+
+/* RMSNorm of rows of D % 4 == 0, D <= kRowThreads * 4 * kRowVecs (aligned) written as 16-bit
+ * values: the GEMM operand straight away (the f32 row and the conversion pass skipped). */
+template <typename T16>
+__global__ void __launch_bounds__(kRowThreads)
+rmsnorm16_kernel(T16 *__restrict__ y, const float *__restrict__ x, const float *__restrict__ w,
+                 float eps, int D) {
+  const float *xr = x + (size_t)blockIdx.x * D;
+  T16 *yr = y + (size_t)blockIdx.x * D;
+  const int n4 = D / 4;
+  float4 v[kRowVecs];
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kRowVecs; k++) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i < n4) {
+      v[k] = __ldg(reinterpret_cast<const float4 *>(xr) + i);
+      ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+    }
+  }
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma unroll
+  for (int k = 0; k < kRowVecs; k++) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i < n4) {
+      const float4 g = __ldg(reinterpret_cast<const float4 *>(w) + i);
+      uint2 o = make_uint2(pd_pack2(v[k].x * inv * g.x, v[k].y * inv * g.y, (T16 *)nullptr),
+                           pd_pack2(v[k].z * inv * g.z, v[k].w * inv * g.w, (T16 *)nullptr));
+      reinterpret_cast<uint2 *>(yr)[i] = o;
+    }
+  }
+}
+
+/* y[m, f] = silu(g + bg) * (u + bu) from 16-bit rows [g | u] of 2F (cuBLAS's output); a 2D grid
+ * (row = blockIdx.y), two outputs per thread. */
+template <typename T16>
+__global__ void swiglu16_kernel(float *__restrict__ y, const T16 *__restrict__ gu,
+                                const float *__restrict__ bias, int F) {
+  const T16 *row = gu + (size_t)blockIdx.y * 2 * F;
+  float *yr = y + (size_t)blockIdx.y * F;
+  const int f = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+  if (f >= F) return;
+  const int n = f + 1 < F ? 2 : 1;
+  for (int j = 0; j < n; j++) {
+    const float g = pd_to_f32(row[f + j]) + (bias ? bias[f + j] : 0.0f);
+    const float u = pd_to_f32(row[F + f + j]) + (bias ? bias[F + f + j] : 0.0f);
+    yr[f + j] = g / (1.0f + expf(-g)) * u;
   }
 }
 
@@ -201,7 +242,7 @@ __global__ void rope_kv_write_kernel(float *__restrict__ q_out, const float *__r
     const float s = sn_s[i], c = cs_s[i];
     const float *v = src + (size_t)h * hd;
     const float x0 = v[i], x1 = v[i + half];
-    const float y0 = rot0(x0, x1, c, s), y1 = rot1(x0, x1, c, s);
+    const float y0 = pd_rope_rot0(x0, x1, c, s), y1 = pd_rope_rot1(x0, x1, c, s);
     if (h < nqh) {
       qr[(size_t)h * hd + i] = y0;
       qr[(size_t)h * hd + i + half] = y1;
@@ -255,9 +296,20 @@ __global__ void bias_kernel(float *__restrict__ y, const float *__restrict__ bia
 
 template <typename T>
 __global__ void convert_kernel(T *__restrict__ dst, const float *__restrict__ src, size_t n) {
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x)
-    dst[i] = pd_from_f32<T>(src[i]);
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  /* four at a time when both ends are aligned (cudaMalloc'ed buffers are) */
+  if ((((uintptr_t)dst & 7) | ((uintptr_t)src & 15)) == 0) {
+    const size_t n4 = n / 4;
+    for (size_t j = i; j < n4; j += stride) {
+      const float4 v = __ldg(reinterpret_cast<const float4 *>(src) + j);
+      reinterpret_cast<uint2 *>(dst)[j] =
+          make_uint2(pd_pack2(v.x, v.y, (T *)nullptr), pd_pack2(v.z, v.w, (T *)nullptr));
+    }
+    for (size_t j = n4 * 4 + i; j < n; j += stride) dst[j] = pd_from_f32<T>(src[j]);
+    return;
+  }
+  for (; i < n; i += stride) dst[i] = pd_from_f32<T>(src[i]);
 }
 
 /* Grid for a grid-stride loop over n elements: enough blocks to fill the GPU, capped. */
@@ -297,6 +349,27 @@ void pd_cuda_rope(cudaStream_t st, float *q, float *k, const int32_t *pos, const
   while (t < half && t < 128) t *= 2;
   rope_kernel<<<M, t, 0, st>>>(nqh ? q : nullptr, nkvh ? k : nullptr, pos, inv_freq, nqh, nkvh,
                                hd);
+}
+
+bool pd_cuda_rmsnorm16_ok(const float *x, const float *w, int D) {
+  return D % 4 == 0 && D / 4 <= kRowThreads * kRowVecs && (((uintptr_t)x | (uintptr_t)w) & 15) == 0;
+}
+
+void pd_cuda_rmsnorm16(cudaStream_t st, void *y, pd_dtype dt, const float *x, const float *w,
+                       float eps, int M, int D) {
+  if (dt == PD_DTYPE_BF16)
+    rmsnorm16_kernel<<<M, row_threads(D / 4), 0, st>>>((__nv_bfloat16 *)y, x, w, eps, D);
+  else
+    rmsnorm16_kernel<<<M, row_threads(D / 4), 0, st>>>((__half *)y, x, w, eps, D);
+}
+
+void pd_cuda_swiglu16(cudaStream_t st, float *y, const void *gu, pd_dtype dt, const float *bias,
+                      int M, int F) {
+  dim3 grid((unsigned)((F + 511) / 512), (unsigned)M);
+  if (dt == PD_DTYPE_BF16)
+    swiglu16_kernel<<<grid, 256, 0, st>>>(y, (const __nv_bfloat16 *)gu, bias, F);
+  else
+    swiglu16_kernel<<<grid, 256, 0, st>>>(y, (const __half *)gu, bias, F);
 }
 
 void pd_cuda_swiglu(cudaStream_t st, float *y, const float *gu, int M, int F) {

@@ -16,6 +16,10 @@
  * instead of 5 per value), the slices are summed through shared memory, and the bias is added on
  * the way out.
  * Odd K (or misaligned pointers) take the scalar variant: one element per lane per step. */
+#include <stdlib.h>
+
+#include <type_traits>
+
 #include "cuda_internal.h"
 
 namespace {
@@ -79,24 +83,72 @@ template <int NV> __device__ __forceinline__ int warp_reduce_many(float (&v)[NV]
   return cnt;
 }
 
+/* The RMSNorm hand-off between decode GEMVs (M <= 2). The residual add rides in the GEMV that
+ * writes the residual stream x (y += x W^T, "acc"); with NEXT that GEMV also writes xg = x * g
+ * (g: the next RMSNorm's weight, one element per warp, no extra pass) and, per block, the sum
+ * of x^2 over its outputs. The next GEMV (PRE) takes xg as its input row, as any GEMV would,
+ * sums the partials (loaded before its main loop, added after it) and scales its dot products
+ * by 1 / sqrt(mean(x^2) + eps): what rmsnorm would have multiplied every element by. So the
+ * norm costs neither a kernel nor work in the inner loop. */
+struct pre_args {
+  const float *ss; /* [M][parts] partial sums of x^2 */
+  int parts;
+  float eps;
+};
+
+/* A warp's rmsnorm scale for row m: lanes start the partial loads (pre_load) before the main
+ * loop and finish the sum (pre_scale) after it. */
+template <int MT> struct pre_sum {
+  float v[MT];
+  __device__ __forceinline__ void load(const pre_args &p, int M, int lane) {
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+      v[m] = 0.0f;
+      if (m < M)
+        for (int i = lane; i < p.parts; i += 32) v[m] += __ldg(p.ss + (size_t)m * p.parts + i);
+    }
+  }
+  __device__ __forceinline__ float scale(const pre_args &p, int m, int K) {
+    return 1.0f / sqrtf(pd_warp_sum(v[m]) / (float)K + p.eps);
+  }
+};
+
+struct row_args {
+  float *y;
+  const float *x;
+  const void *w;
+  const float *bias;
+  int M, N, K;
+  bool acc;     /* y += */
+  pre_args pre; /* PRE */
+  const float *next_g; /* NEXT: [N] */
+  float *next_xg;      /* NEXT: [M, N] */
+  float *next_ss;      /* NEXT: [M][gridDim.x] */
+};
+
 /* M <= 2: a warp per row of W walking the whole of K, U = 4 chunks in flight per lane, no
- * shared memory or barrier: measured the fastest on 4096 x 4096 .. 4096 x 14336 decode shapes
- * (the split-K block variant below pays a barrier and a second wave there). */
-template <typename WT, int MT>
-__global__ void __launch_bounds__(kWarps * 32)
-gemv_row_kernel(float *__restrict__ y, const float *__restrict__ x, const WT *__restrict__ w,
-                const float *__restrict__ bias, int M, int N, int K) {
+ * shared memory or barrier (but NEXT's one): measured the fastest on 4096 x 4096 .. 4096 x
+ * 14336 decode shapes (the split-K block variant below pays a barrier and a second wave there).
+ * (An RMSNorm folded into the inner loop, x * g and x^2 per element, measured slower than a
+ * norm kernel of its own: the LM head went from 238 to 311 us; hence the hand-off above.) */
+template <typename WT, int MT, bool PRE, bool NEXT, int U, int WPB>
+__global__ void __launch_bounds__(WPB * 32) gemv_row_kernel(row_args a) {
   constexpr int E = wvec<WT>::n;
-  constexpr int U = 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n = blockIdx.x * kWarps + warp;
-  if (n >= N) return;
-  const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)n * K);
+  const int n = blockIdx.x * WPB + warp, M = a.M, N = a.N, K = a.K;
+  if (!NEXT && n >= N) return;
+  const bool active = n < N;
   float acc[MT];
 #pragma unroll
   for (int m = 0; m < MT; m++) acc[m] = 0.0f;
+  pre_sum<MT> pre;
+  if (PRE) pre.load(a.pre, M, lane);
   const int nch = K / E;
-  for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+  /* (Software pipelining, the next U chunks requested before this U are used, measured slower
+   * on the H200: 4096 x 4096 11.8 -> 12.7 us, 6144 x 4096 16.0 -> 19.2 us.) */
+  const uint4 *wr = reinterpret_cast<const uint4 *>(static_cast<const WT *>(a.w) +
+                                                    (size_t)(active ? n : 0) * K);
+  for (int c0 = lane; active && c0 < nch; c0 += 32 * U) {
     uint4 raw[U];
 #pragma unroll
     for (int u = 0; u < U; u++) {
@@ -112,10 +164,10 @@ gemv_row_kernel(float *__restrict__ y, const float *__restrict__ x, const WT *__
 #pragma unroll
       for (int m = 0; m < MT; m++) {
         if (m >= M) break;
-        const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)m * K + (size_t)c * E);
+        const float4 *xp = reinterpret_cast<const float4 *>(a.x + (size_t)m * K + (size_t)c * E);
 #pragma unroll
         for (int j = 0; j < E / 4; j++) {
-          float4 t = __ldg(xp + j);
+          const float4 t = __ldg(xp + j);
           acc[m] = fmaf(wf[4 * j], t.x, acc[m]);
           acc[m] = fmaf(wf[4 * j + 1], t.y, acc[m]);
           acc[m] = fmaf(wf[4 * j + 2], t.z, acc[m]);
@@ -125,11 +177,33 @@ gemv_row_kernel(float *__restrict__ y, const float *__restrict__ x, const WT *__
     }
   }
 #pragma unroll
-  for (int m = 0; m < MT; m++) acc[m] = pd_warp_sum(acc[m]);
+  for (int m = 0; m < MT; m++) {
+    acc[m] = pd_warp_sum(acc[m]);
+    if (PRE) acc[m] *= pre.scale(a.pre, m, K);
+  }
+  __shared__ float sq[NEXT ? WPB : 1][MT];
   if (lane == 0) {
 #pragma unroll
-    for (int m = 0; m < MT; m++)
-      if (m < M) y[(size_t)m * N + n] = acc[m] + (bias ? bias[n] : 0.0f);
+    for (int m = 0; m < MT; m++) {
+      float v = 0.0f;
+      if (m < M && active) {
+        float *o = a.y + (size_t)m * N + n;
+        v = acc[m] + (a.bias ? a.bias[n] : 0.0f);
+        if (a.acc) v += *o;
+        *o = v;
+        if (NEXT) a.next_xg[(size_t)m * N + n] = v * a.next_g[n];
+      }
+      if (NEXT) sq[warp][m] = v * v;
+    }
+  }
+  if (NEXT) {
+    __syncthreads();
+    if (threadIdx.x < MT && (int)threadIdx.x < M) {
+      float t = 0.0f;
+#pragma unroll
+      for (int w2 = 0; w2 < WPB; w2++) t += sq[w2][threadIdx.x];
+      a.next_ss[(size_t)threadIdx.x * gridDim.x + blockIdx.x] = t;
+    }
   }
 }
 
@@ -137,7 +211,7 @@ gemv_row_kernel(float *__restrict__ y, const float *__restrict__ x, const WT *__
 template <typename WT, int MT>
 __global__ void __launch_bounds__(kWarps * 32, 2)
 gemv_vec_kernel(float *__restrict__ y, const float *__restrict__ x, const WT *__restrict__ w,
-                const float *__restrict__ bias, int M, int N, int K) {
+                const float *__restrict__ bias, int M, int N, int K, bool acc_out) {
   constexpr int R = tiling<MT>::R, KS = tiling<MT>::KS, U = tiling<MT>::U;
   constexpr int E = wvec<WT>::n;
   constexpr int GROUPS = kWarps / KS; /* row groups per block */
@@ -205,7 +279,7 @@ gemv_vec_kernel(float *__restrict__ y, const float *__restrict__ x, const WT *__
       float s = bias ? bias[n] : 0.0f;
 #pragma unroll
       for (int k = 0; k < KS; k++) s += part[g * KS + k][v];
-      y[(size_t)m * N + n] = s;
+      y[(size_t)m * N + n] = acc_out ? y[(size_t)m * N + n] + s : s;
     }
   }
 }
@@ -214,7 +288,7 @@ gemv_vec_kernel(float *__restrict__ y, const float *__restrict__ x, const WT *__
 template <typename WT, int MT>
 __global__ void __launch_bounds__(kWarps * 32)
 gemv_scalar_kernel(float *__restrict__ y, const float *__restrict__ x, const WT *__restrict__ w,
-                   const float *__restrict__ bias, int M, int N, int K) {
+                   const float *__restrict__ bias, int M, int N, int K, bool acc_out) {
   constexpr int U = 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n = blockIdx.x * kWarps + warp;
@@ -243,121 +317,289 @@ gemv_scalar_kernel(float *__restrict__ y, const float *__restrict__ x, const WT 
   if (lane == 0) {
 #pragma unroll
     for (int m = 0; m < MT; m++)
-      if (m < M) y[(size_t)m * N + n] = acc[m] + (bias ? bias[n] : 0.0f);
+      if (m < M) {
+        float *o = y + (size_t)m * N + n;
+        const float v = acc[m] + (bias ? bias[n] : 0.0f);
+        *o = acc_out ? *o + v : v;
+      }
   }
 }
 
-/* Gate/up fused with SwiGLU (M <= 2): a warp owns output f and walks the gate row f and the up row
- * F + f together (4 chunks of each in flight per lane), then writes silu(g) * u. */
-template <typename WT, int MT>
-__global__ void __launch_bounds__(kWarps * 32)
-gemv_glu_kernel(float *__restrict__ act, const float *__restrict__ x, const WT *__restrict__ w,
-                const float *__restrict__ bias, int M, int F, int K) {
+/* Two rows per warp (M <= 2), with an epilogue on the pair: a warp walks rows r0 and r1 together
+ * (4 chunks of each in flight per lane), PRE as in gemv_row_kernel, then
+ *  - EP_GLU:  pair j = (gate row j, up row F + j) -> act[m, j] = silu(gate) * up;
+ *  - EP_ROPE: pair j = (h * hd + i, h * hd + i + hd / 2) of the qkv rows [q heads | k heads |
+ *    v heads] -> RoPE'd q to q_out, RoPE'd k and plain v to the cache slot (as rope_kv_write,
+ *    the same angle and rotation, so the same bits for the same products). */
+enum { EP_GLU, EP_ROPE };
+
+struct pair_args {
+  const float *x;
+  const void *w;
+  const float *bias;
+  int M, K, n_pairs;
+  pre_args pre; /* PRE */
+  float *act; /* EP_GLU: [M, F] */
+  int F;
+  float *q_out; /* EP_ROPE */
+  const int32_t *pos, *slots;
+  const float *inv_freq;
+  void *kc, *vc;
+  pd_dtype kdt;
+  int bs, nq, nkv, hd;
+};
+
+__device__ __forceinline__ void store_kv(void *cache, pd_dtype dt, size_t i, float v) {
+  if (dt == PD_DTYPE_BF16)
+    static_cast<__nv_bfloat16 *>(cache)[i] = __float2bfloat16_rn(v);
+  else if (dt == PD_DTYPE_F16)
+    static_cast<__half *>(cache)[i] = __float2half_rn(v);
+  else
+    static_cast<float *>(cache)[i] = v;
+}
+
+template <typename WT, int MT, bool PRE, int EP, int U, int WPB>
+__global__ void __launch_bounds__(WPB * 32) gemv_pair_kernel(pair_args a) {
   constexpr int E = wvec<WT>::n;
-  constexpr int U = 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int f = blockIdx.x * kWarps + warp;
-  if (f >= F) return;
-  const uint4 *wg = reinterpret_cast<const uint4 *>(w + (size_t)f * K);
-  const uint4 *wu = reinterpret_cast<const uint4 *>(w + ((size_t)F + f) * K);
-  float ag[MT], au[MT];
+  const int j = blockIdx.x * WPB + warp;
+  if (j >= a.n_pairs) return;
+  const int K = a.K, M = a.M;
+  int r0, r1, h = 0, i = 0;
+  if (EP == EP_GLU) {
+    r0 = j;
+    r1 = a.F + j;
+  } else {
+    const int half = a.hd / 2;
+    h = j / half;
+    i = j - h * half;
+    r0 = h * a.hd + i;
+    r1 = r0 + half;
+  }
+  const WT *w = static_cast<const WT *>(a.w);
+  const uint4 *w0 = reinterpret_cast<const uint4 *>(w + (size_t)r0 * K);
+  const uint4 *w1 = reinterpret_cast<const uint4 *>(w + (size_t)r1 * K);
+  float s0[MT], s1[MT];
 #pragma unroll
-  for (int m = 0; m < MT; m++) ag[m] = au[m] = 0.0f;
+  for (int m = 0; m < MT; m++) s0[m] = s1[m] = 0.0f;
+  pre_sum<MT> pre;
+  if (PRE) pre.load(a.pre, M, lane);
   const int nch = K / E;
   for (int c0 = lane; c0 < nch; c0 += 32 * U) {
-    uint4 rg[U], ru[U];
+    uint4 q0[U], q1[U];
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int c = c0 + u * 32;
-      rg[u] = c < nch ? __ldcs(wg + c) : make_uint4(0, 0, 0, 0);
-      ru[u] = c < nch ? __ldcs(wu + c) : make_uint4(0, 0, 0, 0);
+      q0[u] = c < nch ? __ldcs(w0 + c) : make_uint4(0, 0, 0, 0);
+      q1[u] = c < nch ? __ldcs(w1 + c) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int c = c0 + u * 32;
       if (c >= nch) break;
-      float fg[E], fu[E];
-      wvec<WT>::unpack(rg[u], fg);
-      wvec<WT>::unpack(ru[u], fu);
+      float f0[E], f1[E];
+      wvec<WT>::unpack(q0[u], f0);
+      wvec<WT>::unpack(q1[u], f1);
 #pragma unroll
       for (int m = 0; m < MT; m++) {
         if (m >= M) break;
-        const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)m * K + (size_t)c * E);
+        const float4 *xp = reinterpret_cast<const float4 *>(a.x + (size_t)m * K + (size_t)c * E);
 #pragma unroll
-        for (int j = 0; j < E / 4; j++) {
-          float4 t = __ldg(xp + j);
-          ag[m] = fmaf(fg[4 * j], t.x, ag[m]);
-          ag[m] = fmaf(fg[4 * j + 1], t.y, ag[m]);
-          ag[m] = fmaf(fg[4 * j + 2], t.z, ag[m]);
-          ag[m] = fmaf(fg[4 * j + 3], t.w, ag[m]);
-          au[m] = fmaf(fu[4 * j], t.x, au[m]);
-          au[m] = fmaf(fu[4 * j + 1], t.y, au[m]);
-          au[m] = fmaf(fu[4 * j + 2], t.z, au[m]);
-          au[m] = fmaf(fu[4 * j + 3], t.w, au[m]);
+        for (int jj = 0; jj < E / 4; jj++) {
+          const float4 t = __ldg(xp + jj);
+          s0[m] = fmaf(f0[4 * jj], t.x, s0[m]);
+          s0[m] = fmaf(f0[4 * jj + 1], t.y, s0[m]);
+          s0[m] = fmaf(f0[4 * jj + 2], t.z, s0[m]);
+          s0[m] = fmaf(f0[4 * jj + 3], t.w, s0[m]);
+          s1[m] = fmaf(f1[4 * jj], t.x, s1[m]);
+          s1[m] = fmaf(f1[4 * jj + 1], t.y, s1[m]);
+          s1[m] = fmaf(f1[4 * jj + 2], t.z, s1[m]);
+          s1[m] = fmaf(f1[4 * jj + 3], t.w, s1[m]);
         }
       }
     }
   }
 #pragma unroll
   for (int m = 0; m < MT; m++) {
-    ag[m] = pd_warp_sum(ag[m]);
-    au[m] = pd_warp_sum(au[m]);
+    s0[m] = pd_warp_sum(s0[m]);
+    s1[m] = pd_warp_sum(s1[m]);
+    if (PRE) {
+      const float inv = pre.scale(a.pre, m, K);
+      s0[m] *= inv;
+      s1[m] *= inv;
+    }
   }
-  if (lane == 0) {
+  if (lane != 0) return;
+  const float b0 = a.bias ? a.bias[r0] : 0.0f, b1 = a.bias ? a.bias[r1] : 0.0f;
 #pragma unroll
-    for (int m = 0; m < MT; m++) {
-      if (m >= M) break;
-      const float g = ag[m] + (bias ? bias[f] : 0.0f);
-      const float u = au[m] + (bias ? bias[F + f] : 0.0f);
-      act[(size_t)m * F + f] = g / (1.0f + expf(-g)) * u;
+  for (int m = 0; m < MT; m++) {
+    if (m >= M) break;
+    const float v0 = s0[m] + b0, v1 = s1[m] + b1;
+    if (EP == EP_GLU) {
+      a.act[(size_t)m * a.F + j] = v0 / (1.0f + expf(-v0)) * v1;
+    } else {
+      const int half = a.hd / 2, nq = a.nq, nkv = a.nkv;
+      if (h >= nq + nkv) { /* v: no rotation */
+        const int slot = a.slots[m];
+        if (slot < 0) continue;
+        const int blk = slot / a.bs, off = slot - blk * a.bs;
+        const size_t dst = (((size_t)blk * nkv + (h - nq - nkv)) * a.bs + off) * a.hd;
+        store_kv(a.vc, a.kdt, dst + i, v0);
+        store_kv(a.vc, a.kdt, dst + i + half, v1);
+        continue;
+      }
+      float sn, cs;
+      sincosf((float)a.pos[m] * a.inv_freq[i], &sn, &cs);
+      const float y0 = pd_rope_rot0(v0, v1, cs, sn), y1 = pd_rope_rot1(v0, v1, cs, sn);
+      if (h < nq) {
+        float *qr = a.q_out + ((size_t)m * nq + h) * a.hd;
+        qr[i] = y0;
+        qr[i + half] = y1;
+      } else {
+        const int slot = a.slots[m];
+        if (slot < 0) continue;
+        const int blk = slot / a.bs, off = slot - blk * a.bs;
+        const size_t dst = (((size_t)blk * nkv + (h - nq)) * a.bs + off) * a.hd;
+        store_kv(a.kc, a.kdt, dst + i, y0);
+        store_kv(a.kc, a.kdt, dst + i + half, y1);
+      }
     }
   }
 }
 
-template <typename WT, int MT>
-void launch(cudaStream_t st, float *y, const float *x, const WT *w, const float *bias, int M,
-            int N, int K) {
-  const bool vec = K % wvec<WT>::n == 0 && ((uintptr_t)w & 15) == 0 && ((uintptr_t)x & 15) == 0;
+/* The decode GEMV's shape: U chunks in flight per lane, WPB warps (rows) per block.
+ * PD_CUDA_GEMV_U (4, 8) and PD_CUDA_GEMV_WPB (4, 8) override, for measurements. */
+struct gcfg {
+  int u, wpb;
+};
+gcfg cfg() {
+  static gcfg c = {0, 0};
+  if (!c.u) {
+    const char *eu = getenv("PD_CUDA_GEMV_U"), *ew = getenv("PD_CUDA_GEMV_WPB");
+    c.u = eu && atoi(eu) == 8 ? 8 : eu && atoi(eu) == 2 ? 2 : 4;
+    c.wpb = ew && atoi(ew) == 4 ? 4 : 8;
+  }
+  return c;
+}
+template <int V> using ic = std::integral_constant<int, V>;
+/* f(ic<U>, ic<WPB>) with the configured shape */
+template <typename F> void with_cfg(F &&f) {
+  const gcfg c = cfg();
+  if (c.u == 2)
+    f(ic<2>{}, ic<8>{});
+  else if (c.u == 8)
+    f(ic<8>{}, ic<8>{});
+  else if (c.wpb == 4)
+    f(ic<4>{}, ic<4>{});
+  else
+    f(ic<4>{}, ic<8>{});
+}
+
+template <typename WT, int MT, bool PRE, bool NEXT>
+void launch(cudaStream_t st, const row_args &a) {
+  const bool vec = a.K % wvec<WT>::n == 0 && ((uintptr_t)a.w & 15) == 0 &&
+                   ((uintptr_t)a.x & 15) == 0;
+  const WT *w = static_cast<const WT *>(a.w);
   if (vec && MT <= 2) {
     /* (Splitting K of short outputs over several warps of a row was measured slower on the
      * H200: 62% instead of 66% of copy bandwidth on 4096 x 4096, 76% instead of 85% on 4096 x
      * 14336.) */
-    gemv_row_kernel<WT, MT><<<(unsigned)((N + kWarps - 1) / kWarps), kWarps * 32, 0, st>>>(
-        y, x, w, bias, M, N, K);
+    with_cfg([&](auto u, auto wpb) {
+      gemv_row_kernel<WT, MT, PRE, NEXT, decltype(u)::value, decltype(wpb)::value>
+          <<<(unsigned)((a.N + wpb - 1) / wpb), wpb * 32, 0, st>>>(a);
+    });
   } else if (vec) {
     constexpr int MV = MT <= 2 ? 4 : MT; /* (not instantiated for MT <= 2) */
     constexpr int rows = kWarps / tiling<MV>::KS * tiling<MV>::R;
-    gemv_vec_kernel<WT, MV><<<(unsigned)((N + rows - 1) / rows), kWarps * 32, 0, st>>>(
-        y, x, w, bias, M, N, K);
+    gemv_vec_kernel<WT, MV><<<(unsigned)((a.N + rows - 1) / rows), kWarps * 32, 0, st>>>(
+        a.y, a.x, w, a.bias, a.M, a.N, a.K, a.acc);
   } else {
-    gemv_scalar_kernel<WT, MT><<<(unsigned)((N + kWarps - 1) / kWarps), kWarps * 32, 0, st>>>(
-        y, x, w, bias, M, N, K);
+    gemv_scalar_kernel<WT, MT><<<(unsigned)((a.N + kWarps - 1) / kWarps), kWarps * 32, 0, st>>>(
+        a.y, a.x, w, a.bias, a.M, a.N, a.K, a.acc);
   }
 }
 
-template <typename WT>
-void dispatch_m(cudaStream_t st, float *y, const float *x, const WT *w, const float *bias, int M,
-                int N, int K) {
-  if (M == 1)
-    launch<WT, 1>(st, y, x, w, bias, M, N, K);
-  else if (M == 2)
-    launch<WT, 2>(st, y, x, w, bias, M, N, K);
-  else if (M <= 4)
-    launch<WT, 4>(st, y, x, w, bias, M, N, K);
+template <typename WT> void dispatch_m(cudaStream_t st, const row_args &a) {
+  if (a.M == 1)
+    launch<WT, 1, false, false>(st, a);
+  else if (a.M == 2)
+    launch<WT, 2, false, false>(st, a);
+  else if (a.M <= 4)
+    launch<WT, 4, false, false>(st, a);
   else
-    launch<WT, 8>(st, y, x, w, bias, M, N, K);
+    launch<WT, 8, false, false>(st, a);
+}
+
+/* The fused decode GEMV (M <= 2, vector path): PRE and NEXT chosen by the arguments. */
+template <typename WT, int MT> void fused_row(cudaStream_t st, const row_args &a) {
+  const bool pre = a.pre.ss != nullptr, next = a.next_xg != nullptr;
+  if (pre && next)
+    launch<WT, MT, true, true>(st, a);
+  else if (pre)
+    launch<WT, MT, true, false>(st, a);
+  else if (next)
+    launch<WT, MT, false, true>(st, a);
+  else
+    launch<WT, MT, false, false>(st, a);
+}
+
+template <typename WT, int EP>
+void pair_launch(cudaStream_t st, const pair_args &a) {
+  with_cfg([&](auto u, auto wpb) {
+    constexpr int U = decltype(u)::value, W = decltype(wpb)::value;
+    const unsigned blocks = (unsigned)((a.n_pairs + W - 1) / W);
+    if (a.M == 1) {
+      if (a.pre.ss)
+        gemv_pair_kernel<WT, 1, true, EP, U, W><<<blocks, W * 32, 0, st>>>(a);
+      else
+        gemv_pair_kernel<WT, 1, false, EP, U, W><<<blocks, W * 32, 0, st>>>(a);
+    } else {
+      if (a.pre.ss)
+        gemv_pair_kernel<WT, 2, true, EP, U, W><<<blocks, W * 32, 0, st>>>(a);
+      else
+        gemv_pair_kernel<WT, 2, false, EP, U, W><<<blocks, W * 32, 0, st>>>(a);
+    }
+  });
+}
+
+template <int EP> void pair_dispatch(cudaStream_t st, pd_dtype wdt, const pair_args &a) {
+  if (wdt == PD_DTYPE_BF16)
+    pair_launch<__nv_bfloat16, EP>(st, a);
+  else if (wdt == PD_DTYPE_F16)
+    pair_launch<__half, EP>(st, a);
+  else
+    pair_launch<float, EP>(st, a);
+}
+
+pre_args to_pre(const pd_cuda_gemv_pre *p) {
+  pre_args r = {};
+  if (p) {
+    r.ss = p->ss;
+    r.parts = p->parts;
+    r.eps = p->eps;
+  }
+  return r;
 }
 
 } // namespace
 
 void pd_cuda_gemv(cudaStream_t st, float *y, const float *x, const void *w, pd_dtype wdt,
-                  const float *bias, int M, int N, int K) {
+                  const float *bias, int M, int N, int K, bool accumulate) {
+  row_args a = {};
+  a.y = y;
+  a.x = x;
+  a.w = w;
+  a.bias = bias;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.acc = accumulate;
   if (wdt == PD_DTYPE_BF16)
-    dispatch_m(st, y, x, (const __nv_bfloat16 *)w, bias, M, N, K);
+    dispatch_m<__nv_bfloat16>(st, a);
   else if (wdt == PD_DTYPE_F16)
-    dispatch_m(st, y, x, (const __half *)w, bias, M, N, K);
+    dispatch_m<__half>(st, a);
   else
-    dispatch_m(st, y, x, (const float *)w, bias, M, N, K);
+    dispatch_m<float>(st, a);
 }
 
 bool pd_cuda_gemv_glu_ok(const float *x, const void *w, pd_dtype wdt, int M, int K) {
@@ -366,23 +608,79 @@ bool pd_cuda_gemv_glu_ok(const float *x, const void *w, pd_dtype wdt, int M, int
          ((uintptr_t)x & 15) == 0;
 }
 
+int pd_cuda_gemv_next_parts(int N) { return (N + cfg().wpb - 1) / cfg().wpb; }
+
 void pd_cuda_gemv_glu(cudaStream_t st, float *act, const float *x, const void *w, pd_dtype wdt,
-                      const float *bias, int M, int F, int K) {
-  const unsigned blocks = (unsigned)((F + kWarps - 1) / kWarps);
-#define PD_GLU(WT)                                                                              \
+                      const float *bias, int M, int F, int K, const pd_cuda_gemv_pre *pre) {
+  pair_args a = {};
+  a.x = x;
+  a.w = w;
+  a.bias = bias;
+  a.M = M;
+  a.K = K;
+  a.n_pairs = F;
+  a.pre = to_pre(pre);
+  a.act = act;
+  a.F = F;
+  pair_dispatch<EP_GLU>(st, wdt, a);
+}
+
+void pd_cuda_gemv_fused(cudaStream_t st, float *y, const float *x, const void *w, pd_dtype wdt,
+                        const float *bias, int M, int N, int K, bool accumulate,
+                        const pd_cuda_gemv_pre *pre, const float *next_g, float *next_xg,
+                        float *next_ss) {
+  row_args a = {};
+  a.y = y;
+  a.x = x;
+  a.w = w;
+  a.bias = bias;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.acc = accumulate;
+  a.pre = to_pre(pre);
+  a.next_g = next_g;
+  a.next_xg = next_xg;
+  a.next_ss = next_ss;
+#define PD_FUSED(WT)                                                                            \
   do {                                                                                         \
     if (M == 1)                                                                                \
-      gemv_glu_kernel<WT, 1><<<blocks, kWarps * 32, 0, st>>>(act, x, (const WT *)w, bias, M,   \
-                                                              F, K);                           \
+      fused_row<WT, 1>(st, a);                                                                 \
     else                                                                                       \
-      gemv_glu_kernel<WT, 2><<<blocks, kWarps * 32, 0, st>>>(act, x, (const WT *)w, bias, M,   \
-                                                              F, K);                           \
+      fused_row<WT, 2>(st, a);                                                                 \
   } while (0)
   if (wdt == PD_DTYPE_BF16)
-    PD_GLU(__nv_bfloat16);
+    PD_FUSED(__nv_bfloat16);
   else if (wdt == PD_DTYPE_F16)
-    PD_GLU(__half);
+    PD_FUSED(__half);
   else
-    PD_GLU(float);
-#undef PD_GLU
+    PD_FUSED(float);
+#undef PD_FUSED
+}
+
+void pd_cuda_gemv_rope_kv(cudaStream_t st, float *q_out, const float *x, const void *w,
+                          pd_dtype wdt, const float *bias, int M, int K,
+                          const pd_cuda_gemv_pre *pre, const int32_t *pos,
+                          const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *sh,
+                          const int32_t *slots, int nq) {
+  pair_args a = {};
+  a.x = x;
+  a.w = w;
+  a.bias = bias;
+  a.M = M;
+  a.K = K;
+  a.n_pairs = (nq + 2 * sh->num_kv_heads) * (sh->head_dim / 2);
+  a.pre = to_pre(pre);
+  a.q_out = q_out;
+  a.pos = pos;
+  a.slots = slots;
+  a.inv_freq = inv_freq;
+  a.kc = kv->k;
+  a.vc = kv->v;
+  a.kdt = sh->dtype;
+  a.bs = sh->block_size;
+  a.nq = nq;
+  a.nkv = sh->num_kv_heads;
+  a.hd = sh->head_dim;
+  pair_dispatch<EP_ROPE>(st, wdt, a);
 }

@@ -40,6 +40,16 @@ template <> __device__ __forceinline__ __half pd_from_f32<__half>(float v) {
   return __float2half_rn(v);
 }
 
+/* Two floats to two packed 16-bit floats (lo in the low half), round to nearest even. */
+__device__ __forceinline__ uint32_t pd_pack2(float lo, float hi, __nv_bfloat16 *) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+__device__ __forceinline__ uint32_t pd_pack2(float lo, float hi, __half *) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+
 /* Two packed 16-bit floats (one 32-bit word) to two floats. */
 __device__ __forceinline__ float2 pd_unpack2(uint32_t u, __nv_bfloat16 *) {
   return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
@@ -84,6 +94,15 @@ __device__ __forceinline__ float pd_warp_max(float v) {
 
 #define PD_LOG2E 1.4426950408889634f
 
+/* The RoPE rotation with explicit roundings (no FMA contraction), so that every kernel applying
+ * RoPE gets the same bits. */
+__device__ __forceinline__ float pd_rope_rot0(float x0, float x1, float c, float s) {
+  return __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+}
+__device__ __forceinline__ float pd_rope_rot1(float x0, float x1, float c, float s) {
+  return __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+}
+
 /* ---- launchers (host side; all asynchronous on `st`) ------------------------------------------ */
 
 /* Allows `kernel` (a __global__ function) `bytes` of dynamic shared memory on the current device
@@ -110,19 +129,52 @@ void pd_cuda_add(cudaStream_t st, float *y, const float *x, size_t n);
 void pd_cuda_bias(cudaStream_t st, float *y, const float *bias, int M, int N);
 /* dst[n] = src[n] rounded to dt (BF16 or F16), round to nearest even. */
 void pd_cuda_convert(cudaStream_t st, void *dst, pd_dtype dt, const float *src, size_t n);
+/* RMSNorm (no residual) with 16-bit output (dt BF16 or F16), for rows pd_cuda_rmsnorm16_ok
+ * takes (D % 4 == 0, D <= 8192, x and w 16-byte aligned). */
+bool pd_cuda_rmsnorm16_ok(const float *x, const float *w, int D);
+void pd_cuda_rmsnorm16(cudaStream_t st, void *y, pd_dtype dt, const float *x, const float *w,
+                       float eps, int M, int D);
+/* y[M, F] = silu(g + bias[:F]) * (u + bias[F:]) from 16-bit rows [g | u] (dt BF16 or F16);
+ * bias may be NULL. */
+void pd_cuda_swiglu16(cudaStream_t st, float *y, const void *gu, pd_dtype dt, const float *bias,
+                      int M, int F);
 
 /* GEMV: y[M,N] = x[M,K] W[N,K]^T (+bias) for 1 <= M <= PD_CUDA_GEMV_MAX_M. */
 #define PD_CUDA_GEMV_MAX_M 8
 void pd_cuda_gemv(cudaStream_t st, float *y, const float *x, const void *w, pd_dtype wdt,
-                  const float *bias, int M, int N, int K);
+                  const float *bias, int M, int N, int K, bool accumulate);
 
 /* act[M,F] = silu(x W_g^T + b_g) * (x W_u^T + b_u), w = [W_g; W_u]: the GEMV with both rows of
  * an output in one warp, for M <= PD_CUDA_GEMV_GLU_MAX_M. */
 #define PD_CUDA_GEMV_GLU_MAX_M 2
 /* Whether pd_cuda_gemv_glu takes these arguments (M, K multiple of the vector width, aligned). */
 bool pd_cuda_gemv_glu_ok(const float *x, const void *w, pd_dtype wdt, int M, int K);
+/* The RMSNorm hand-off of the decode GEMVs (cuda_gemv.cu): the GEMV that writes the residual
+ * stream x also writes xg = x * g (g: the next norm's weight) and per-block partial sums of x^2
+ * (pd_cuda_gemv_next_parts(N) of them per row); the next GEMV reads xg and scales its sums by
+ * 1 / sqrt(sum / K + eps). */
+typedef struct pd_cuda_gemv_pre {
+  const float *ss; /* [M][parts] */
+  int parts;
+  float eps;
+} pd_cuda_gemv_pre;
+int pd_cuda_gemv_next_parts(int N);
+/* pre != NULL: x is xg of a hand-off. */
 void pd_cuda_gemv_glu(cudaStream_t st, float *act, const float *x, const void *w, pd_dtype wdt,
-                      const float *bias, int M, int F, int K);
+                      const float *bias, int M, int F, int K, const pd_cuda_gemv_pre *pre);
+/* The M <= 2 GEMV (preconditions of pd_cuda_gemv_glu_ok) with the hand-off: y (+)= x W^T +
+ * bias; pre as above; next_xg != NULL: also xg and the partials (next_ss [M][parts]). */
+void pd_cuda_gemv_fused(cudaStream_t st, float *y, const float *x, const void *w, pd_dtype wdt,
+                        const float *bias, int M, int N, int K, bool accumulate,
+                        const pd_cuda_gemv_pre *pre, const float *next_g, float *next_xg,
+                        float *next_ss);
+/* The qkv GEMV (M <= 2, as pd_cuda_gemv_glu_ok; head_dim even) with the rope_kv_write epilogue:
+ * rows are taken in RoPE pairs, q goes to q_out, k and v to the cache slots. pre as above. */
+void pd_cuda_gemv_rope_kv(cudaStream_t st, float *q_out, const float *x, const void *w,
+                          pd_dtype wdt, const float *bias, int M, int K,
+                          const pd_cuda_gemv_pre *pre, const int32_t *pos,
+                          const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *sh,
+                          const int32_t *slots, int nq);
 
 /* Attention. One call's arguments, resolved; workspaces belong to the backend. */
 typedef struct pd_cuda_attn {

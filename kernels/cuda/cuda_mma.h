@@ -46,6 +46,22 @@ __device__ __forceinline__ void pd_ldmatrix_x4_trans(uint32_t r[4], const void *
                : "r"(addr));
 }
 
+/* Four 8x8 b16 matrices from shared memory, not transposed (B fragments of a K^T operand whose
+ * rows are the n index: lane l addresses row l % 8 of matrix l / 8). */
+__device__ __forceinline__ void pd_ldmatrix_x4(uint32_t r[4], const void *p) {
+  uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+/* 2^x, approximate (MUFU.EX2, flush-to-zero; 2^-inf = 0): the softmax exponentials. */
+__device__ __forceinline__ float pd_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 /* 16 bytes global -> shared, asynchronous; src_bytes 0 writes zeros. */
 __device__ __forceinline__ void pd_cp_async16(void *dst, const void *src, int src_bytes) {
   uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);

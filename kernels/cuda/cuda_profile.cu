@@ -162,6 +162,13 @@ void p_rope_kv_write(pd_backend *be, float *q_out, const float *qkv, const int32
   g_prof->orig.rope_kv_write(be, q_out, qkv, pos, inv, kv, sh, slots, M, nq);
   end(be, i, "rope_kv_write M=%d", M);
 }
+void p_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
+  static const char *const ep[] = {"", " +=", " glu", " rope_kv"};
+  int i = begin(be);
+  g_prof->orig.matmul_fused(be, p);
+  end(be, i, "matmul%s%s M=%d N=%d K=%d", p->norm_w ? " norm" : "", ep[p->epilogue & 3], p->M,
+      p->N, p->K);
+}
 void p_sample(pd_backend *be, pd_dev_sample_out *out, const float *logits, int vocab,
               const pd_dev_sample_spec *specs, int n, const pd_dev_sample_edit *edits,
               int n_edits) {
@@ -228,4 +235,5 @@ void pd_cuda_profile_wrap(pd_backend *be) {
   if (be->ops.matmul_glu) be->ops.matmul_glu = p_matmul_glu;
   if (be->ops.rope_kv_write) be->ops.rope_kv_write = p_rope_kv_write;
   if (be->ops.sample) be->ops.sample = p_sample;
+  if (be->ops.matmul_fused) be->ops.matmul_fused = p_matmul_fused;
 }

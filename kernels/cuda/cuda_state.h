@@ -11,6 +11,8 @@
 /* Bytes of each of the two pinned staging buffers cuda_impl.pin (cuda_backend.cu allocates them
  * with its kPinnedChunk, which must equal this). */
 #define PD_CUDA_PIN_BYTES ((size_t)8 << 20)
+/* Partial sums one row of an RMSNorm hand-off may have (outputs up to 8 x this). */
+#define PD_CUDA_HO_PARTS 8192
 
 struct cuda_impl {
   int dev;
@@ -33,6 +35,13 @@ struct cuda_impl {
   size_t smp_dev_size;
   void *smp_host;  /* pinned mirror of specs, edits, outputs */
   size_t smp_host_size;
+  /* the RMSNorm hand-off between fused decode GEMVs (cu_matmul_fused): two buffers of partial
+   * sums (a GEMV may read one while writing the other) and what the last producer left */
+  float *ho_ss[2]; /* [2 rows][PD_CUDA_HO_PARTS] each */
+  int ho_buf;      /* the buffer the record points to */
+  bool ho_valid;
+  const float *ho_y, *ho_xg, *ho_g;
+  int ho_M, ho_N, ho_parts;
   /* KV staging (cuda_kvstage.cu) */
   void *stage_dev;
   size_t stage_dev_size;

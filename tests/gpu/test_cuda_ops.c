@@ -675,6 +675,226 @@ static void test_attention(void) {
     }
 }
 
+/* matmul_fused against the GPU's separate ops (rmsnorm, matmul, add, swiglu, rope_kv_write),
+ * each checked against the CPU above: every epilogue, with and without the norm and the bias,
+ * on decode rows (M <= 2: the fused GEMV kernels) and M = 5 (cuBLAS and separate kernels inside
+ * the op: the same bits, but for the GLU's 16-bit gate/up product). */
+static void test_mm_fused(void) {
+  static const int shapes[][2] = {{1, 4096}, {2, 1024}, {1, 1003}, {5, 512}};
+  for (int si = 0; si < 4; si++)
+    for (int d = 0; d < 3; d++)
+      for (int ep = 0; ep < 4; ep++)
+        for (int variant = 0; variant < 2; variant++) {
+          const int M = shapes[si][0], K = shapes[si][1];
+          const pd_dtype wdt = k_dts[d];
+          const bool norm = variant == 0 || ep == PD_MM_ROPE_KV, bias = variant == 1;
+          /* qkv of 6 q heads and 2 kv heads of 64 (head dim 64 / 80 / 128 by dtype) */
+          const int hd = d == 0 ? 64 : d == 1 ? 80 : 128, nq = 6, nkv = 2, bs = 16, nb = 4;
+          const int N = ep == PD_MM_ROPE_KV ? (nq + 2 * nkv) * hd : ep == PD_MM_GLU ? 2 * 777 : 1500;
+          const int NO = ep == PD_MM_GLU ? N / 2 : N; /* output columns */
+          void *w = rand_dt(wdt, (size_t)N * K, -0.05f, 0.05f);
+          float *x = rand_f32((size_t)M * K, -2, 2), *g = rand_f32((size_t)K, 0.5f, 1.5f);
+          float *b = bias ? rand_f32((size_t)N, -1, 1) : NULL;
+          float *y0 = rand_f32((size_t)M * NO, -1, 1);
+          void *dw = up(w, (size_t)N * K * pd_dtype_size(wdt));
+          float *dx = up(x, (size_t)M * K * 4), *dg = up(g, (size_t)K * 4);
+          float *db = b ? up(b, (size_t)N * 4) : NULL;
+          float *dxn = g_gpu->ops.alloc(g_gpu, (size_t)M * K * 4);
+          float *dgu = g_gpu->ops.alloc(g_gpu, (size_t)M * N * 4);
+          float *dy1 = up(y0, (size_t)M * NO * 4), *dy2 = up(y0, (size_t)M * NO * 4);
+          float *dq1 = g_gpu->ops.alloc(g_gpu, (size_t)M * nq * hd * 4);
+          float *dq2 = g_gpu->ops.alloc(g_gpu, (size_t)M * nq * hd * 4);
+          /* rope_kv_write inputs */
+          float *inv = xmalloc((size_t)hd / 2 * 4);
+          for (int i = 0; i < hd / 2; i++) inv[i] = powf(10000.0f, -2.0f * i / hd);
+          int32_t pos[5], slots[5];
+          for (int i = 0; i < M; i++) {
+            pos[i] = irand(9000);
+            slots[i] = i == 1 ? -1 : i * 12 + irand(12); /* distinct, < nb * bs */
+          }
+          const pd_kv_shape sh = {nb, bs, nkv, hd, wdt};
+          const size_t cb = (size_t)nb * nkv * bs * hd * pd_dtype_size(wdt);
+          void *cache = rand_dt(wdt, cb / pd_dtype_size(wdt), -1, 1);
+          pd_kv_layer kv1 = {up(cache, cb), up(cache, cb)}, kv2 = {up(cache, cb), up(cache, cb)};
+          float *dinv = up(inv, (size_t)hd / 2 * 4);
+          int32_t *dpos = up(pos, sizeof pos), *dsl = up(slots, sizeof slots);
+
+          /* reference: the separate ops */
+          const float *xin = dx;
+          if (norm) {
+            g_gpu->ops.rmsnorm(g_gpu, dxn, dx, dg, 1e-5f, M, K);
+            xin = dxn;
+          }
+          if (ep == PD_MM_STORE) {
+            g_gpu->ops.matmul(g_gpu, dy1, xin, dw, wdt, db, M, N, K);
+          } else if (ep == PD_MM_ACCUMULATE) {
+            g_gpu->ops.matmul(g_gpu, dgu, xin, dw, wdt, db, M, N, K);
+            g_gpu->ops.add(g_gpu, dy1, dgu, (size_t)M * N);
+          } else if (ep == PD_MM_GLU) {
+            g_gpu->ops.matmul(g_gpu, dgu, xin, dw, wdt, db, M, N, K);
+            g_gpu->ops.swiglu(g_gpu, dy1, dgu, M, N / 2);
+          } else {
+            g_gpu->ops.matmul(g_gpu, dgu, xin, dw, wdt, db, M, N, K);
+            g_gpu->ops.rope_kv_write(g_gpu, dq1, dgu, dpos, dinv, &kv1, &sh, dsl, M, nq);
+          }
+          /* fused (the scratch buffers get garbage first: the op must not read them) */
+          g_gpu->ops.to_device(g_gpu, dxn, y0, (size_t)(M * K < M * NO ? M * K : M * NO) * 4);
+          const pd_mm_fused p = {.y = ep == PD_MM_ROPE_KV ? dgu : dy2, .x = dx, .w = dw, .wdt = wdt,
+                                 .bias = db, .M = M, .N = N, .K = K, .norm_w = norm ? dg : NULL,
+                                 .eps = 1e-5f, .xn = dxn, .epilogue = (pd_mm_epilogue)ep,
+                                 .gu = dgu, .q_out = dq2, .pos = dpos, .inv_freq = dinv,
+                                 .kv = &kv2, .shape = &sh, .slots = dsl, .n_q_heads = nq};
+          REQUIRE(g_gpu->ops.matmul_fused);
+          g_gpu->ops.matmul_fused(g_gpu, &p);
+
+          double err;
+          /* M <= 2 sums in another order (and folds the norm's scale in at the end); M > 2 with
+           * 16-bit weights keeps the GLU's gate and up in 16 bits (cuBLAS's output type) and
+           * normalises straight into the 16-bit operand (the norm's sum may round differently:
+           * a 16-bit operand one unit apart) */
+          const double tol = M <= 2 ? 2e-4 : ep == PD_MM_GLU && wdt != PD_DTYPE_F32 ? 1.5e-2 : 1e-4;
+          if (ep != PD_MM_ROPE_KV) {
+            float *r = down(dy1, (size_t)M * NO * 4), *o = down(dy2, (size_t)M * NO * 4);
+            err = rel_err(o, r, (size_t)M * NO);
+            free(r);
+            free(o);
+          } else {
+            float *r = down(dq1, (size_t)M * nq * hd * 4), *o = down(dq2, (size_t)M * nq * hd * 4);
+            err = rel_err(o, r, (size_t)M * nq * hd);
+            free(r);
+            free(o);
+            /* the caches: rows M <= 2 may round to the neighbouring 16-bit value */
+            const double ctol = wdt == PD_DTYPE_F32 ? 2e-4 : 8e-3;
+            void *ref_c[2] = {down(kv1.k, cb), down(kv1.v, cb)};
+            void *got_c[2] = {down(kv2.k, cb), down(kv2.v, cb)};
+            for (int t = 0; t < 2; t++) {
+              size_t n = cb / pd_dtype_size(wdt);
+              float *rf = xmalloc(n * 4), *gf = xmalloc(n * 4);
+              for (size_t i = 0; i < n; i++) {
+                rf[i] = wdt == PD_DTYPE_F32 ? ((float *)ref_c[t])[i]
+                        : wdt == PD_DTYPE_BF16 ? pd_bf16_to_f32(((uint16_t *)ref_c[t])[i])
+                                               : pd_f16_to_f32(((uint16_t *)ref_c[t])[i]);
+                gf[i] = wdt == PD_DTYPE_F32 ? ((float *)got_c[t])[i]
+                        : wdt == PD_DTYPE_BF16 ? pd_bf16_to_f32(((uint16_t *)got_c[t])[i])
+                                               : pd_f16_to_f32(((uint16_t *)got_c[t])[i]);
+              }
+              const double ce = rel_err(gf, rf, n);
+              CHECKF(ce <= ctol, "matmul_fused rope_kv M=%d K=%d %s: %s cache err %.3g", M, K,
+                     dtn(wdt), t ? "v" : "k", ce);
+              free(rf);
+              free(gf);
+              free(ref_c[t]);
+              free(got_c[t]);
+            }
+          }
+          CHECKF(err < tol, "matmul_fused ep=%d M=%d N=%d K=%d %s norm=%d bias=%d: %.3g", ep, M,
+                 N, K, dtn(wdt), norm, bias, err);
+          free(w);
+          free(x);
+          free(g);
+          free(b);
+          free(y0);
+          free(inv);
+          free(cache);
+          gfree(dw);
+          gfree(dx);
+          gfree(dg);
+          if (db) gfree(db);
+          gfree(dxn);
+          gfree(dgu);
+          gfree(dy1);
+          gfree(dy2);
+          gfree(dq1);
+          gfree(dq2);
+          gfree(kv1.k);
+          gfree(kv1.v);
+          gfree(kv2.k);
+          gfree(kv2.v);
+          gfree(dinv);
+          gfree(dpos);
+          gfree(dsl);
+        }
+}
+
+/* The RMSNorm hand-off of matmul_fused: a residual GEMV (y += a W1^T, norm_next = g, xg) then a
+ * GEMV with norm_w = g reading the hand-off, against the separate ops; the second call also
+ * with a different norm pointer (no hand-off taken), and with M = 5 (none made). */
+static void test_mm_handoff(void) {
+  static const int Ms[3] = {1, 2, 5};
+  for (int mi = 0; mi < 3; mi++)
+    for (int d = 0; d < 3; d++)
+      for (int ep = 0; ep < 3; ep++) { /* consumer: STORE, GLU (ep 1), STORE via other norm */
+        const int M = Ms[mi], D = 2048, K1 = 1024, N2 = ep == 1 ? 2 * 1000 : 3000;
+        const pd_dtype wdt = k_dts[d];
+        void *w1 = rand_dt(wdt, (size_t)D * K1, -0.05f, 0.05f);
+        void *w2 = rand_dt(wdt, (size_t)N2 * D, -0.05f, 0.05f);
+        float *a = rand_f32((size_t)M * K1, -1, 1), *x0 = rand_f32((size_t)M * D, -2, 2);
+        float *g = rand_f32((size_t)D, 0.5f, 1.5f), *b1 = rand_f32((size_t)D, -1, 1);
+        const int NO = ep == 1 ? N2 / 2 : N2;
+        void *dw1 = up(w1, (size_t)D * K1 * pd_dtype_size(wdt));
+        void *dw2 = up(w2, (size_t)N2 * D * pd_dtype_size(wdt));
+        float *da = up(a, (size_t)M * K1 * 4), *dg = up(g, (size_t)D * 4), *dg2 = up(g, (size_t)D * 4);
+        float *db1 = up(b1, (size_t)D * 4);
+        float *dx1 = up(x0, (size_t)M * D * 4), *dx2 = up(x0, (size_t)M * D * 4);
+        float *dt = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
+        float *dxn = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
+        float *dxg = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
+        float *dgu = g_gpu->ops.alloc(g_gpu, (size_t)M * N2 * 4);
+        float *dy1 = g_gpu->ops.alloc(g_gpu, (size_t)M * NO * 4);
+        float *dy2 = g_gpu->ops.alloc(g_gpu, (size_t)M * NO * 4);
+        /* reference */
+        g_gpu->ops.matmul(g_gpu, dt, da, dw1, wdt, db1, M, D, K1);
+        g_gpu->ops.add(g_gpu, dx1, dt, (size_t)M * D);
+        g_gpu->ops.rmsnorm(g_gpu, dxn, dx1, dg, 1e-6f, M, D);
+        if (ep == 1) {
+          g_gpu->ops.matmul(g_gpu, dgu, dxn, dw2, wdt, NULL, M, N2, D);
+          g_gpu->ops.swiglu(g_gpu, dy1, dgu, M, N2 / 2);
+        } else {
+          g_gpu->ops.matmul(g_gpu, dy1, dxn, dw2, wdt, NULL, M, N2, D);
+        }
+        /* fused pair */
+        const pd_mm_fused p1 = {.y = dx2, .x = da, .w = dw1, .wdt = wdt, .bias = db1, .M = M,
+                                .N = D, .K = K1, .epilogue = PD_MM_ACCUMULATE, .norm_next = dg,
+                                .xg = dxg};
+        g_gpu->ops.matmul_fused(g_gpu, &p1);
+        const pd_mm_fused p2 = {.y = dy2, .x = dx2, .w = dw2, .wdt = wdt, .M = M, .N = N2, .K = D,
+                                .norm_w = ep == 2 ? dg2 : dg, .eps = 1e-6f, .xn = dxn,
+                                .epilogue = ep == 1 ? PD_MM_GLU : PD_MM_STORE, .gu = dgu,
+                                .xg = dxg};
+        g_gpu->ops.matmul_fused(g_gpu, &p2);
+        float *x1 = down(dx1, (size_t)M * D * 4), *x2 = down(dx2, (size_t)M * D * 4);
+        float *y1 = down(dy1, (size_t)M * NO * 4), *y2 = down(dy2, (size_t)M * NO * 4);
+        const double ex = rel_err(x2, x1, (size_t)M * D), ey = rel_err(y2, y1, (size_t)M * NO);
+        const double tol = M <= 2 ? 2e-4 : ep == 1 && wdt != PD_DTYPE_F32 ? 1.5e-2 : 1e-4;
+        CHECKF(ex < tol && ey < tol, "matmul_fused hand-off M=%d %s consumer %d: x %.3g y %.3g", M,
+               dtn(wdt), ep, ex, ey);
+        free(w1);
+        free(w2);
+        free(a);
+        free(x0);
+        free(g);
+        free(b1);
+        free(x1);
+        free(x2);
+        free(y1);
+        free(y2);
+        gfree(dw1);
+        gfree(dw2);
+        gfree(da);
+        gfree(dg);
+        gfree(dg2);
+        gfree(db1);
+        gfree(dx1);
+        gfree(dx2);
+        gfree(dt);
+        gfree(dxn);
+        gfree(dxg);
+        gfree(dgu);
+        gfree(dy1);
+        gfree(dy2);
+      }
+}
+
 int main(int argc, char **argv) {
   g_small = argc > 1 && strcmp(argv[1], "small") == 0;
   int ndev = pd_cuda_device_count();
@@ -709,6 +929,8 @@ int main(int argc, char **argv) {
   }
   test_attention();
   test_fused();
+  test_mm_fused();
+  test_mm_handoff();
 
   g_gpu->ops.sync(g_gpu);
   CHECKF(pd_backend_cuda_status(g_gpu, &e) == PD_OK, "backend status: %s", e.msg);

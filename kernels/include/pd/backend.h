@@ -106,6 +106,44 @@ typedef struct pd_dev_sample_out {
   float top_logprob[PD_DEV_SAMPLE_MAX_TOP];
 } pd_dev_sample_out;
 
+/* A matmul with a fused prologue and epilogue: the product P = X W^T + bias, X [M, K], W [N, K]
+ * (wdt), bias [N] or NULL.
+ *  - norm_w != NULL: X = rmsnorm(x) * norm_w (eps, as the rmsnorm op), else X = x; xn [M, K] is
+ *    scratch the op may use for it.
+ *  - epilogue PD_MM_STORE: y = P; PD_MM_ACCUMULATE: y += P (the residual add);
+ *    PD_MM_GLU: y[M, N/2] = silu(P[:, :N/2]) * P[:, N/2:] (as matmul_glu; gu [M, N] scratch);
+ *    PD_MM_ROPE_KV: P is the qkv rows of rope_kv_write, which get RoPE and go to q_out and the
+ *    cache as there (y [M, N] scratch the op may use).
+ *  - The RMSNorm hand-off (a hint; the result is the same with or without it): an op with
+ *    norm_next != NULL and xg != NULL (PD_MM_STORE / PD_MM_ACCUMULATE) may also leave
+ *    y * norm_next in xg [M, N], with what it needs to finish the norm; the next matmul_fused,
+ *    if its x is that y, its norm_w that norm_next and its xg that xg, may then start from xg
+ *    instead of normalising x. Nothing may change y or xg between the two calls. */
+typedef enum { PD_MM_STORE, PD_MM_ACCUMULATE, PD_MM_GLU, PD_MM_ROPE_KV } pd_mm_epilogue;
+typedef struct pd_mm_fused {
+  float *y;
+  const float *x;
+  const void *w;
+  pd_dtype wdt;
+  const float *bias;
+  int M, N, K;
+  const float *norm_w;
+  float eps;
+  float *xn;
+  pd_mm_epilogue epilogue;
+  float *gu;
+  const float *norm_next;
+  float *xg;
+  /* PD_MM_ROPE_KV */
+  float *q_out;
+  const int32_t *pos;
+  const float *inv_freq;
+  const pd_kv_layer *kv;
+  const pd_kv_shape *shape;
+  const int32_t *slots;
+  int n_q_heads;
+} pd_mm_fused;
+
 typedef struct pd_backend_ops {
   const char *name;
 
@@ -212,6 +250,9 @@ typedef struct pd_backend_ops {
   void (*rope_kv_write)(pd_backend *be, float *q_out, const float *qkv, const int32_t *pos,
                         const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *shape,
                         const int32_t *slots, int M, int n_q_heads);
+  /* One matmul with its neighbours fused in (see pd_mm_fused); the engine's decode layer is
+   * then five of these and the attention. NULL: the engine uses the separate ops. */
+  void (*matmul_fused)(pd_backend *be, const pd_mm_fused *p);
 } pd_backend_ops;
 
 struct pd_backend {
