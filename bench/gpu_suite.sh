@@ -54,6 +54,17 @@ run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-l
   --decode-tokens 2 --repeat 3
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 8000 \
   --decode-tokens 2 --repeat 2
+step "prefill 8k in one chunk (--max-batch-tokens 8192)"
+run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 8000 \
+  --decode-tokens 2 --repeat 2 --max-batch-tokens 8192
+step "where a batch-1 decode step goes (PD_CUDA_PROFILE=1, eager)"
+PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 \
+  --prompt-len 128 --decode-tokens 64 --repeat 1 --enforce-eager 2>&1 | head -18
+# (enough decode tokens that the last prompts are in before the first sequences finish)
+step "where a 256 x 1k decode step goes (PD_CUDA_PROFILE=1, eager; M=256 rows)"
+PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 \
+  --prompt-len 1024 --decode-tokens 192 --repeat 1 --enforce-eager 2>&1 |
+  grep -E "^op |M=256 |seqs=256 tokens=256|sample n=256"
 [ "$quick" = notorch ] && exit 0
 step "PyTorch baselines"
 run timeout 240 python3 bench/torch_baseline.py "$M" --batches 1,32 --budget-s 200

@@ -17,7 +17,6 @@
  * Finally O / l is written (one split) or O and (m, l) go to the split partials. */
 #include <cub/block/block_scan.cuh>
 #include <math.h>
-#include <stdlib.h>
 
 #include "cuda_mma.h"
 
@@ -84,10 +83,10 @@ tile_scan_kernel(int32_t *tile_start, const int32_t *__restrict__ q_start, int n
   if (threadIdx.x == 0) tile_start[n_seqs] = carry;
 }
 
-/* MINB: blocks per SM the registers are budgeted for (2: up to 255 registers; 3: 168, which
- * spills a little at head dim 128); PD_CUDA_PREFILL_MINB picks, for measurements. */
-template <int HD, typename KT, int MINB>
-__global__ void __launch_bounds__(kThreads, MINB) attn_prefill_kernel(pd_cuda_attn a) {
+/* Registers budgeted for 2 blocks per SM (up to 255 each; 234 used at head dim 128). Budgeting
+ * for 3 (168, which spills a little at head dim 128) measured 1-6% slower on the H200. */
+template <int HD, typename KT>
+__global__ void __launch_bounds__(kThreads, 2) attn_prefill_kernel(pd_cuda_attn a) {
   constexpr int KS = HD / 16; /* k-steps of Q K^T */
   constexpr int NT = BN / 8;  /* 8-key column tiles of S */
   constexpr int DT = HD / 8;  /* 8-dim column tiles of O */
@@ -359,28 +358,11 @@ __global__ void __launch_bounds__(kThreads, MINB) attn_prefill_kernel(pd_cuda_at
   }
 }
 
-template <int HD, typename KT, int MINB>
-void prefill_launch_b(cudaStream_t st, const pd_cuda_attn *a, dim3 grid) {
-  const size_t smem = pf_smem<HD, KT>::BYTES;
-  if (smem > 48 * 1024) pd_cuda_smem_optin((const void *)attn_prefill_kernel<HD, KT, MINB>, smem);
-  attn_prefill_kernel<HD, KT, MINB><<<grid, kThreads, smem, st>>>(*a);
-}
-
-int prefill_minb() {
-  static int v = 0;
-  if (!v) {
-    const char *ev = getenv("PD_CUDA_PREFILL_MINB");
-    v = ev && atoi(ev) == 3 ? 3 : 2;
-  }
-  return v;
-}
-
 template <int HD, typename KT> void prefill_launch(cudaStream_t st, const pd_cuda_attn *a,
                                                    dim3 grid) {
-  if (prefill_minb() == 3)
-    prefill_launch_b<HD, KT, 3>(st, a, grid);
-  else
-    prefill_launch_b<HD, KT, 2>(st, a, grid);
+  const size_t smem = pf_smem<HD, KT>::BYTES;
+  if (smem > 48 * 1024) pd_cuda_smem_optin((const void *)attn_prefill_kernel<HD, KT>, smem);
+  attn_prefill_kernel<HD, KT><<<grid, kThreads, smem, st>>>(*a);
 }
 
 template <int HD>

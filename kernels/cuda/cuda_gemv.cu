@@ -16,10 +16,6 @@
  * instead of 5 per value), the slices are summed through shared memory, and the bias is added on
  * the way out.
  * Odd K (or misaligned pointers) take the scalar variant: one element per lane per step. */
-#include <stdlib.h>
-
-#include <type_traits>
-
 #include "cuda_internal.h"
 
 namespace {
@@ -467,33 +463,11 @@ __global__ void __launch_bounds__(WPB * 32) gemv_pair_kernel(pair_args a) {
   }
 }
 
-/* The decode GEMV's shape: U chunks in flight per lane, WPB warps (rows) per block.
- * PD_CUDA_GEMV_U (4, 8) and PD_CUDA_GEMV_WPB (4, 8) override, for measurements. */
-struct gcfg {
-  int u, wpb;
-};
-gcfg cfg() {
-  static gcfg c = {0, 0};
-  if (!c.u) {
-    const char *eu = getenv("PD_CUDA_GEMV_U"), *ew = getenv("PD_CUDA_GEMV_WPB");
-    c.u = eu && atoi(eu) == 8 ? 8 : eu && atoi(eu) == 2 ? 2 : 4;
-    c.wpb = ew && atoi(ew) == 4 ? 4 : 8;
-  }
-  return c;
-}
-template <int V> using ic = std::integral_constant<int, V>;
-/* f(ic<U>, ic<WPB>) with the configured shape */
-template <typename F> void with_cfg(F &&f) {
-  const gcfg c = cfg();
-  if (c.u == 2)
-    f(ic<2>{}, ic<8>{});
-  else if (c.u == 8)
-    f(ic<8>{}, ic<8>{});
-  else if (c.wpb == 4)
-    f(ic<4>{}, ic<4>{});
-  else
-    f(ic<4>{}, ic<8>{});
-}
+/* The decode GEMV's shape, measured on the H200 (Llama-3-8B decode at batch 1, and the kernel
+ * bench): U = 4 chunks in flight per lane for one row per warp (U = 8: 4096 x 4096 12.0 -> 14.0
+ * us, 230 -> 212 tok/s; U = 2: 12.8 us), U = 2 for the two-row kernel (the same 8 loads in
+ * flight per lane: 231 -> 233 tok/s), 8 warps per block (4: the same). */
+constexpr int kRowU = 4, kPairU = 2;
 
 template <typename WT, int MT, bool PRE, bool NEXT>
 void launch(cudaStream_t st, const row_args &a) {
@@ -504,10 +478,8 @@ void launch(cudaStream_t st, const row_args &a) {
     /* (Splitting K of short outputs over several warps of a row was measured slower on the
      * H200: 62% instead of 66% of copy bandwidth on 4096 x 4096, 76% instead of 85% on 4096 x
      * 14336.) */
-    with_cfg([&](auto u, auto wpb) {
-      gemv_row_kernel<WT, MT, PRE, NEXT, decltype(u)::value, decltype(wpb)::value>
-          <<<(unsigned)((a.N + wpb - 1) / wpb), wpb * 32, 0, st>>>(a);
-    });
+    gemv_row_kernel<WT, MT, PRE, NEXT, kRowU, kWarps>
+        <<<(unsigned)((a.N + kWarps - 1) / kWarps), kWarps * 32, 0, st>>>(a);
   } else if (vec) {
     constexpr int MV = MT <= 2 ? 4 : MT; /* (not instantiated for MT <= 2) */
     constexpr int rows = kWarps / tiling<MV>::KS * tiling<MV>::R;
@@ -545,8 +517,8 @@ template <typename WT, int MT> void fused_row(cudaStream_t st, const row_args &a
 
 template <typename WT, int EP>
 void pair_launch(cudaStream_t st, const pair_args &a) {
-  with_cfg([&](auto u, auto wpb) {
-    constexpr int U = decltype(u)::value, W = decltype(wpb)::value;
+  constexpr int U = kPairU, W = kWarps;
+  {
     const unsigned blocks = (unsigned)((a.n_pairs + W - 1) / W);
     if (a.M == 1) {
       if (a.pre.ss)
@@ -559,7 +531,7 @@ void pair_launch(cudaStream_t st, const pair_args &a) {
       else
         gemv_pair_kernel<WT, 2, false, EP, U, W><<<blocks, W * 32, 0, st>>>(a);
     }
-  });
+  }
 }
 
 template <int EP> void pair_dispatch(cudaStream_t st, pd_dtype wdt, const pair_args &a) {
@@ -608,7 +580,7 @@ bool pd_cuda_gemv_glu_ok(const float *x, const void *w, pd_dtype wdt, int M, int
          ((uintptr_t)x & 15) == 0;
 }
 
-int pd_cuda_gemv_next_parts(int N) { return (N + cfg().wpb - 1) / cfg().wpb; }
+int pd_cuda_gemv_next_parts(int N) { return (N + kWarps - 1) / kWarps; }
 
 void pd_cuda_gemv_glu(cudaStream_t st, float *act, const float *x, const void *w, pd_dtype wdt,
                       const float *bias, int M, int F, int K, const pd_cuda_gemv_pre *pre) {

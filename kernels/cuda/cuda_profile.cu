@@ -15,7 +15,7 @@
 namespace {
 
 constexpr int kMaxPending = 8192;
-constexpr int kMaxKeys = 256;
+constexpr int kMaxKeys = 4096; /* prefill chunks of many shapes fill hundreds */
 
 struct prof_key {
   char name[96];
