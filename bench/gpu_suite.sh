@@ -25,6 +25,9 @@ step compute-sanitizer memcheck
 run compute-sanitizer --tool memcheck --error-exitcode 9 "$D/bin/test_cuda_ops" small
 run compute-sanitizer --tool memcheck --error-exitcode 9 "$D/bin/test_cuda_sample" small
 run compute-sanitizer --tool memcheck --error-exitcode 9 "$D/bin/test_cuda_kvstage"
+step "compute-sanitizer racecheck (cuBLAS's own nvjet kernels excluded)"
+run compute-sanitizer --tool racecheck --kernel-name-exclude kns=nvjet --error-exitcode 9 \
+  "$D/bin/test_cuda_ops" small
 for m in pycoder-12m pycoder-draft-2m pycoder-qwen2-4m tiny-random-llama31; do
   step "test_cuda_golden $m"; run "$D/bin/test_cuda_golden" "$m"
 done

@@ -206,6 +206,7 @@ attn_decode_kernel(pd_cuda_attn a, int n_hchunks) {
         sum += p;
       }
       sum = pd_warp_sum(sum);
+      __syncwarp(); /* every lane has read m_s[h] before lane 0 rewrites it */
       if (lane == 0) {
         const float corr = exp2f(m_old - m_new); /* 0 on the first chunk */
         l_s[h] = l_s[h] * corr + sum;

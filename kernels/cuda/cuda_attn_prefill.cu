@@ -173,12 +173,13 @@ __global__ void __launch_bounds__(kThreads, 2) attn_prefill_kernel(pd_cuda_attn 
   const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
   const int win = a.window;
 
-  /* the cache offsets of tile kt0's rows into sRow[buf] (threads < BN) */
+  /* the cache offset of row tid of the tile at kt0 (threads < BN), -1 past the end */
+  auto row_off = [&](int kt0) -> long long {
+    const int kp = kt0 + tid;
+    return kp < ke ? (((long long)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD : -1LL;
+  };
   auto rows = [&](int kt0, int buf) {
-    if (tid < BN) {
-      const int kp = kt0 + tid;
-      sRow[buf][tid] = kp < ke ? (((long long)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD : -1LL;
-    }
+    if (tid < BN) sRow[buf][tid] = row_off(kt0);
   };
   /* bf16 caches: tile i + 1's copies are in flight while tile i is computed */
   static_assert(BN * CPR % kThreads == 0, "copies per thread");
@@ -202,6 +203,11 @@ __global__ void __launch_bounds__(kThreads, 2) attn_prefill_kernel(pd_cuda_attn 
   }
   int it = 0;
   for (int kt = kb; kt < ke; kt += BN, it++) {
+    /* bf16: tile it + 2's offsets, looked up now and stored into tile it's buffer at the end of
+     * this iteration (after the barrier below, which every read of that buffer for tile it's
+     * copies precedes; before the end barrier, which the reads for tile it + 2 follow) */
+    const bool refill = SM::ASYNC && kt + 2 * BN < ke && tid < BN;
+    const long long next_row = refill ? row_off(kt + 2 * BN) : -1LL;
     if constexpr (SM::ASYNC) {
       if (kt + BN < ke) {
         issue((it + 1) & 1);
@@ -209,9 +215,6 @@ __global__ void __launch_bounds__(kThreads, 2) attn_prefill_kernel(pd_cuda_attn 
       } else {
         pd_cp_async_wait<0>();
       }
-      /* tile it's offsets are used up: the buffer takes tile it + 2's (read after the barrier
-       * at the end of this iteration) */
-      if (kt + 2 * BN < ke) rows(kt + 2 * BN, it & 1);
       __syncthreads();
       sK = tiles + (it & 1) * SM::STAGE;
       sV = sK + BN * LD;
@@ -320,6 +323,7 @@ __global__ void __launch_bounds__(kThreads, 2) attn_prefill_kernel(pd_cuda_attn 
         pd_tc<__nv_bfloat16>::mma(o[dt + 1], pa, vb[2], vb[3]);
       }
     }
+    if (refill) sRow[it & 1][tid] = next_row;
     __syncthreads(); /* sK / sV / sRow are refilled next */
   }
 
