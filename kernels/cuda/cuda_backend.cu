@@ -356,7 +356,7 @@ void cu_matmul_glu(pd_backend *be, float *act, float *gu, const float *x, const 
   PD_ASSERT(float_dtype(wdt));
   if (M == 0 || F == 0) return;
   use_device(c);
-  if (K > 0 && pd_cuda_gemv_glu_ok(x, w, wdt, M, K)) {
+  if (K > 0 && pd_cuda_gemv_fused_ok(x, w, wdt, M, K)) {
     pd_cuda_gemv_glu(c->st, act, x, w, wdt, bias, M, F, K, NULL);
     CK_LAUNCH(c, "gemv_glu");
     return;
@@ -396,12 +396,12 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
     fuse_norm = !(ev && !strcmp(ev, "0"));
   }
   const bool small = K > 0 && M <= gemv_max_m() &&
-                     pd_cuda_gemv_glu_ok(p->x, p->w, p->wdt, M, K);
+                     pd_cuda_gemv_fused_ok(p->x, p->w, p->wdt, M, K);
   if (small) {
     const float *xs = p->x;
     pd_cuda_gemv_pre pre = {NULL, 0, p->eps}, *prep = NULL;
     if (p->norm_w) {
-      if (ho_in && fuse_norm && pd_cuda_gemv_glu_ok(p->xg, p->w, p->wdt, M, K)) {
+      if (ho_in && fuse_norm && pd_cuda_gemv_fused_ok(p->xg, p->w, p->wdt, M, K)) {
         xs = p->xg;
         pre.ss = c->ho_ss[c->ho_buf];
         pre.parts = c->ho_parts;

@@ -574,9 +574,9 @@ void pd_cuda_gemv(cudaStream_t st, float *y, const float *x, const void *w, pd_d
     dispatch_m<float>(st, a);
 }
 
-bool pd_cuda_gemv_glu_ok(const float *x, const void *w, pd_dtype wdt, int M, int K) {
+bool pd_cuda_gemv_fused_ok(const float *x, const void *w, pd_dtype wdt, int M, int K) {
   const int e = wdt == PD_DTYPE_F32 ? 4 : 8;
-  return M >= 1 && M <= PD_CUDA_GEMV_GLU_MAX_M && K % e == 0 && ((uintptr_t)w & 15) == 0 &&
+  return M >= 1 && M <= PD_CUDA_GEMV_FUSED_MAX_M && K % e == 0 && ((uintptr_t)w & 15) == 0 &&
          ((uintptr_t)x & 15) == 0;
 }
 

@@ -5,8 +5,10 @@
  * Layering (one .cu per op family, each with host-side launchers taking a stream):
  *   cuda_backend.cu      the ops table: argument checks, memory, cuBLAS, work splitting, errors
  *   cuda_elementwise.cu  rmsnorm, add_rmsnorm, embed, rope, swiglu, kv_write, get_rows, add,
- *                        bias, f32 -> bf16/f16 conversion
- *   cuda_gemv.cu         y = x W^T for small M (memory-bound; the backend uses it for M <= 2)
+ *                        bias, f32 -> bf16/f16 conversion, the 16-bit-output norm and SwiGLU
+ *   cuda_gemv.cu         y = x W^T for small M (memory-bound; the backend uses it for M <= 2),
+ *                        and the fused decode GEMVs of matmul_fused (residual add, RMSNorm
+ *                        hand-off, SwiGLU, RoPE + KV write)
  *   cuda_attn_decode.cu  split-K paged decode attention, the split merge, the generic kernel
  *   cuda_attn_prefill.cu FlashAttention-style paged prefill on bf16 tensor cores
  *   cuda_attn_decode_tc.cu tensor-core decode attention for bf16/f16 caches
@@ -144,11 +146,12 @@ void pd_cuda_swiglu16(cudaStream_t st, float *y, const void *gu, pd_dtype dt, co
 void pd_cuda_gemv(cudaStream_t st, float *y, const float *x, const void *w, pd_dtype wdt,
                   const float *bias, int M, int N, int K, bool accumulate);
 
-/* act[M,F] = silu(x W_g^T + b_g) * (x W_u^T + b_u), w = [W_g; W_u]: the GEMV with both rows of
- * an output in one warp, for M <= PD_CUDA_GEMV_GLU_MAX_M. */
-#define PD_CUDA_GEMV_GLU_MAX_M 2
-/* Whether pd_cuda_gemv_glu takes these arguments (M, K multiple of the vector width, aligned). */
-bool pd_cuda_gemv_glu_ok(const float *x, const void *w, pd_dtype wdt, int M, int K);
+/* The fused decode GEMVs below (gate/up + SwiGLU with both rows of an output in one warp, the
+ * residual / hand-off GEMV, QKV + RoPE + KV write) take M <= PD_CUDA_GEMV_FUSED_MAX_M rows;
+ * pd_cuda_gemv_fused_ok: whether they take these arguments (M in range, K a multiple of the
+ * vector width, x and w 16-byte aligned). */
+#define PD_CUDA_GEMV_FUSED_MAX_M 2
+bool pd_cuda_gemv_fused_ok(const float *x, const void *w, pd_dtype wdt, int M, int K);
 /* The RMSNorm hand-off of the decode GEMVs (cuda_gemv.cu): the GEMV that writes the residual
  * stream x also writes xg = x * g (g: the next norm's weight) and per-block partial sums of x^2
  * (pd_cuda_gemv_next_parts(N) of them per row); the next GEMV reads xg and scales its sums by
@@ -159,16 +162,17 @@ typedef struct pd_cuda_gemv_pre {
   float eps;
 } pd_cuda_gemv_pre;
 int pd_cuda_gemv_next_parts(int N);
-/* pre != NULL: x is xg of a hand-off. */
+/* act[M,F] = silu(x W_g^T + b_g) * (x W_u^T + b_u), w = [W_g; W_u]; pre != NULL: x is xg of a
+ * hand-off. */
 void pd_cuda_gemv_glu(cudaStream_t st, float *act, const float *x, const void *w, pd_dtype wdt,
                       const float *bias, int M, int F, int K, const pd_cuda_gemv_pre *pre);
-/* The M <= 2 GEMV (preconditions of pd_cuda_gemv_glu_ok) with the hand-off: y (+)= x W^T +
+/* The M <= 2 GEMV (preconditions of pd_cuda_gemv_fused_ok) with the hand-off: y (+)= x W^T +
  * bias; pre as above; next_xg != NULL: also xg and the partials (next_ss [M][parts]). */
 void pd_cuda_gemv_fused(cudaStream_t st, float *y, const float *x, const void *w, pd_dtype wdt,
                         const float *bias, int M, int N, int K, bool accumulate,
                         const pd_cuda_gemv_pre *pre, const float *next_g, float *next_xg,
                         float *next_ss);
-/* The qkv GEMV (M <= 2, as pd_cuda_gemv_glu_ok; head_dim even) with the rope_kv_write epilogue:
+/* The qkv GEMV (M <= 2, as pd_cuda_gemv_fused_ok; head_dim even) with the rope_kv_write epilogue:
  * rows are taken in RoPE pairs, q goes to q_out, k and v to the cache slots. pre as above. */
 void pd_cuda_gemv_rope_kv(cudaStream_t st, float *q_out, const float *x, const void *w,
                           pd_dtype wdt, const float *bias, int M, int K,
