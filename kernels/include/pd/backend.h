@@ -114,8 +114,8 @@ typedef struct pd_dev_sample_out {
  *    PD_MM_GLU: y[M, N/2] = silu(P[:, :N/2]) * P[:, N/2:] (as matmul_glu; gu [M, N] scratch);
  *    PD_MM_ROPE_KV: P is the qkv rows of rope_kv_write, which get RoPE and go to q_out and the
  *    cache as there (y [M, N] scratch the op may use).
- *  - The RMSNorm hand-off (a hint; the result is the same with or without it): an op with
- *    norm_next != NULL and xg != NULL (PD_MM_STORE / PD_MM_ACCUMULATE) may also leave
+ *  - The RMSNorm hand-off (a hint: with or without it the result is the same up to rounding):
+ *    an op with norm_next != NULL and xg != NULL (PD_MM_STORE / PD_MM_ACCUMULATE) may also leave
  *    y * norm_next in xg [M, N], with what it needs to finish the norm; the next matmul_fused,
  *    if its x is that y, its norm_w that norm_next and its xg that xg, may then start from xg
  *    instead of normalising x. Nothing may change y or xg between the two calls. */
