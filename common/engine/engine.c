@@ -409,6 +409,18 @@ static pd_status validate_sampling(const pd_engine *g, const pd_batch *b, pd_err
   return PD_OK;
 }
 
+/* Q, K, V from the normalised rows in xn as three matmuls, then RoPE and the cache write (layers
+ * whose projections could not be concatenated). */
+static void qkv_separate(pd_engine *g, const eng_layer *L, const pd_layer_weights *W, int M) {
+  pd_backend *be = g->be;
+  const int D = g->D, hd = g->hd, qd = g->nq * hd, kd = g->nkv * hd;
+  be->ops.matmul(be, g->q, g->xn, L->wq, W->wq.dtype, L->bq, M, qd, D);
+  be->ops.matmul(be, g->k, g->xn, L->wk, W->wk.dtype, L->bk, M, kd, D);
+  be->ops.matmul(be, g->v, g->xn, L->wv, W->wv.dtype, L->bv, M, kd, D);
+  be->ops.rope(be, g->q, g->k, g->d_pos, g->inv_freq, M, g->nq, g->nkv, hd);
+  be->ops.kv_write(be, &L->kv, &g->kvs, g->k, g->v, g->d_slots, M);
+}
+
 /* run_model on a backend with matmul_fused: each residual add rides in the matmul that produces
  * it, each RMSNorm in the matmul after it (with the hand-off of pd_mm_fused from the matmul
  * before), RoPE and the cache write in the QKV matmul: a decode layer is four matmuls and the
@@ -437,11 +449,7 @@ static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int
       be->ops.matmul_fused(be, &qkv);
     } else {
       be->ops.rmsnorm(be, g->xn, g->x, L->attn_norm, eps, M, D);
-      be->ops.matmul(be, g->q, g->xn, L->wq, W->wq.dtype, L->bq, M, qd, D);
-      be->ops.matmul(be, g->k, g->xn, L->wk, W->wk.dtype, L->bk, M, kd, D);
-      be->ops.matmul(be, g->v, g->xn, L->wv, W->wv.dtype, L->bv, M, kd, D);
-      be->ops.rope(be, g->q, g->k, g->d_pos, g->inv_freq, M, g->nq, g->nkv, hd);
-      be->ops.kv_write(be, &L->kv, &g->kvs, g->k, g->v, g->d_slots, M);
+      qkv_separate(g, L, W, M);
     }
     be->ops.attention(be, g->attn, g->q, &L->kv, &g->kvs, &ab, g->nq, scale, L->window);
     const pd_mm_fused o = {.y = g->x, .x = g->attn, .w = L->wo, .wdt = W->wo.dtype, .bias = L->bo,
@@ -498,11 +506,7 @@ static void run_model(pd_engine *g, int M, int n_seqs, int max_blocks, int max_c
       be->ops.rope_kv_write(be, g->q, g->qkv, g->d_pos, g->inv_freq, &L->kv, &g->kvs, g->d_slots,
                             M, g->nq);
     } else {
-      be->ops.matmul(be, g->q, g->xn, L->wq, W->wq.dtype, L->bq, M, qd, D);
-      be->ops.matmul(be, g->k, g->xn, L->wk, W->wk.dtype, L->bk, M, kd, D);
-      be->ops.matmul(be, g->v, g->xn, L->wv, W->wv.dtype, L->bv, M, kd, D);
-      be->ops.rope(be, g->q, g->k, g->d_pos, g->inv_freq, M, g->nq, g->nkv, hd);
-      be->ops.kv_write(be, &L->kv, &g->kvs, g->k, g->v, g->d_slots, M);
+      qkv_separate(g, L, W, M);
     }
     be->ops.attention(be, g->attn, g->q, &L->kv, &g->kvs, &ab, g->nq, scale, L->window);
     be->ops.matmul(be, g->sel, g->attn, L->wo, W->wo.dtype, L->bo, M, D, qd);

@@ -109,6 +109,51 @@ template <int MT> struct pre_sum {
   }
 };
 
+/* One warp's dot products of R rows of W (wr[r]: 16-byte chunks, K wide) with the M <= MT rows
+ * of x: lanes take chunks c = lane, lane + 32, ..., U chunks of each row in flight per lane
+ * (all loaded before any is used); acc[r][m] gets this lane's partial sums (a warp sum after).
+ * (Software pipelining, the next U chunks requested before this U are used, measured slower on
+ * the H200: 4096 x 4096 11.8 -> 12.7 us, 6144 x 4096 16.0 -> 19.2 us.) */
+template <typename WT, int MT, int R, int U>
+__device__ __forceinline__ void warp_dot(const uint4 *const (&wr)[R], const float *__restrict__ x,
+                                         int M, int K, int lane, float (&acc)[R][MT]) {
+  constexpr int E = wvec<WT>::n;
+  const int nch = K / E;
+  for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+    uint4 raw[U][R];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int c = c0 + u * 32;
+#pragma unroll
+      for (int r = 0; r < R; r++) raw[u][r] = c < nch ? __ldcs(wr[r] + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int c = c0 + u * 32;
+      if (c >= nch) break;
+      float wf[R][E];
+#pragma unroll
+      for (int r = 0; r < R; r++) wvec<WT>::unpack(raw[u][r], wf[r]);
+#pragma unroll
+      for (int m = 0; m < MT; m++) {
+        if (m >= M) break;
+        const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)m * K + (size_t)c * E);
+#pragma unroll
+        for (int j = 0; j < E / 4; j++) {
+          const float4 t = __ldg(xp + j);
+#pragma unroll
+          for (int r = 0; r < R; r++) {
+            acc[r][m] = fmaf(wf[r][4 * j], t.x, acc[r][m]);
+            acc[r][m] = fmaf(wf[r][4 * j + 1], t.y, acc[r][m]);
+            acc[r][m] = fmaf(wf[r][4 * j + 2], t.z, acc[r][m]);
+            acc[r][m] = fmaf(wf[r][4 * j + 3], t.w, acc[r][m]);
+          }
+        }
+      }
+    }
+  }
+}
+
 struct row_args {
   float *y;
   const float *x;
@@ -129,52 +174,24 @@ struct row_args {
  * norm kernel of its own: the LM head went from 238 to 311 us; hence the hand-off above.) */
 template <typename WT, int MT, bool PRE, bool NEXT, int U, int WPB>
 __global__ void __launch_bounds__(WPB * 32) gemv_row_kernel(row_args a) {
-  constexpr int E = wvec<WT>::n;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n = blockIdx.x * WPB + warp, M = a.M, N = a.N, K = a.K;
   if (!NEXT && n >= N) return;
   const bool active = n < N;
-  float acc[MT];
+  float dot[1][MT];
 #pragma unroll
-  for (int m = 0; m < MT; m++) acc[m] = 0.0f;
+  for (int m = 0; m < MT; m++) dot[0][m] = 0.0f;
   pre_sum<MT> pre;
   if (PRE) pre.load(a.pre, M, lane);
-  const int nch = K / E;
-  /* (Software pipelining, the next U chunks requested before this U are used, measured slower
-   * on the H200: 4096 x 4096 11.8 -> 12.7 us, 6144 x 4096 16.0 -> 19.2 us.) */
-  const uint4 *wr = reinterpret_cast<const uint4 *>(static_cast<const WT *>(a.w) +
-                                                    (size_t)(active ? n : 0) * K);
-  for (int c0 = lane; active && c0 < nch; c0 += 32 * U) {
-    uint4 raw[U];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int c = c0 + u * 32;
-      raw[u] = c < nch ? __ldcs(wr + c) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int c = c0 + u * 32;
-      if (c >= nch) break;
-      float wf[E];
-      wvec<WT>::unpack(raw[u], wf);
-#pragma unroll
-      for (int m = 0; m < MT; m++) {
-        if (m >= M) break;
-        const float4 *xp = reinterpret_cast<const float4 *>(a.x + (size_t)m * K + (size_t)c * E);
-#pragma unroll
-        for (int j = 0; j < E / 4; j++) {
-          const float4 t = __ldg(xp + j);
-          acc[m] = fmaf(wf[4 * j], t.x, acc[m]);
-          acc[m] = fmaf(wf[4 * j + 1], t.y, acc[m]);
-          acc[m] = fmaf(wf[4 * j + 2], t.z, acc[m]);
-          acc[m] = fmaf(wf[4 * j + 3], t.w, acc[m]);
-        }
-      }
-    }
+  if (active) {
+    const uint4 *const wr[1] = {
+        reinterpret_cast<const uint4 *>(static_cast<const WT *>(a.w) + (size_t)n * K)};
+    warp_dot<WT, MT, 1, U>(wr, a.x, M, K, lane, dot);
   }
+  float acc[MT];
 #pragma unroll
   for (int m = 0; m < MT; m++) {
-    acc[m] = pd_warp_sum(acc[m]);
+    acc[m] = pd_warp_sum(dot[0][m]);
     if (PRE) acc[m] *= pre.scale(a.pre, m, K);
   }
   __shared__ float sq[NEXT ? WPB : 1][MT];
@@ -356,7 +373,6 @@ __device__ __forceinline__ void store_kv(void *cache, pd_dtype dt, size_t i, flo
 
 template <typename WT, int MT, bool PRE, int EP, int U, int WPB>
 __global__ void __launch_bounds__(WPB * 32) gemv_pair_kernel(pair_args a) {
-  constexpr int E = wvec<WT>::n;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j = blockIdx.x * WPB + warp;
   if (j >= a.n_pairs) return;
@@ -373,52 +389,19 @@ __global__ void __launch_bounds__(WPB * 32) gemv_pair_kernel(pair_args a) {
     r1 = r0 + half;
   }
   const WT *w = static_cast<const WT *>(a.w);
-  const uint4 *w0 = reinterpret_cast<const uint4 *>(w + (size_t)r0 * K);
-  const uint4 *w1 = reinterpret_cast<const uint4 *>(w + (size_t)r1 * K);
-  float s0[MT], s1[MT];
+  const uint4 *const wr[2] = {reinterpret_cast<const uint4 *>(w + (size_t)r0 * K),
+                              reinterpret_cast<const uint4 *>(w + (size_t)r1 * K)};
+  float dot[2][MT];
 #pragma unroll
-  for (int m = 0; m < MT; m++) s0[m] = s1[m] = 0.0f;
+  for (int m = 0; m < MT; m++) dot[0][m] = dot[1][m] = 0.0f;
   pre_sum<MT> pre;
   if (PRE) pre.load(a.pre, M, lane);
-  const int nch = K / E;
-  for (int c0 = lane; c0 < nch; c0 += 32 * U) {
-    uint4 q0[U], q1[U];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int c = c0 + u * 32;
-      q0[u] = c < nch ? __ldcs(w0 + c) : make_uint4(0, 0, 0, 0);
-      q1[u] = c < nch ? __ldcs(w1 + c) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int c = c0 + u * 32;
-      if (c >= nch) break;
-      float f0[E], f1[E];
-      wvec<WT>::unpack(q0[u], f0);
-      wvec<WT>::unpack(q1[u], f1);
-#pragma unroll
-      for (int m = 0; m < MT; m++) {
-        if (m >= M) break;
-        const float4 *xp = reinterpret_cast<const float4 *>(a.x + (size_t)m * K + (size_t)c * E);
-#pragma unroll
-        for (int jj = 0; jj < E / 4; jj++) {
-          const float4 t = __ldg(xp + jj);
-          s0[m] = fmaf(f0[4 * jj], t.x, s0[m]);
-          s0[m] = fmaf(f0[4 * jj + 1], t.y, s0[m]);
-          s0[m] = fmaf(f0[4 * jj + 2], t.z, s0[m]);
-          s0[m] = fmaf(f0[4 * jj + 3], t.w, s0[m]);
-          s1[m] = fmaf(f1[4 * jj], t.x, s1[m]);
-          s1[m] = fmaf(f1[4 * jj + 1], t.y, s1[m]);
-          s1[m] = fmaf(f1[4 * jj + 2], t.z, s1[m]);
-          s1[m] = fmaf(f1[4 * jj + 3], t.w, s1[m]);
-        }
-      }
-    }
-  }
+  warp_dot<WT, MT, 2, U>(wr, a.x, M, K, lane, dot);
+  float s0[MT], s1[MT];
 #pragma unroll
   for (int m = 0; m < MT; m++) {
-    s0[m] = pd_warp_sum(s0[m]);
-    s1[m] = pd_warp_sum(s1[m]);
+    s0[m] = pd_warp_sum(dot[0][m]);
+    s1[m] = pd_warp_sum(dot[1][m]);
     if (PRE) {
       const float inv = pre.scale(a.pre, m, K);
       s0[m] *= inv;
@@ -543,6 +526,31 @@ template <int EP> void pair_dispatch(cudaStream_t st, pd_dtype wdt, const pair_a
     pair_launch<float, EP>(st, a);
 }
 
+row_args make_row(float *y, const float *x, const void *w, const float *bias, int M, int N, int K,
+                  bool accumulate) {
+  row_args a = {};
+  a.y = y;
+  a.x = x;
+  a.w = w;
+  a.bias = bias;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.acc = accumulate;
+  return a;
+}
+
+pair_args make_pair(const float *x, const void *w, const float *bias, int M, int K, int n_pairs) {
+  pair_args a = {};
+  a.x = x;
+  a.w = w;
+  a.bias = bias;
+  a.M = M;
+  a.K = K;
+  a.n_pairs = n_pairs;
+  return a;
+}
+
 pre_args to_pre(const pd_cuda_gemv_pre *p) {
   pre_args r = {};
   if (p) {
@@ -557,15 +565,7 @@ pre_args to_pre(const pd_cuda_gemv_pre *p) {
 
 void pd_cuda_gemv(cudaStream_t st, float *y, const float *x, const void *w, pd_dtype wdt,
                   const float *bias, int M, int N, int K, bool accumulate) {
-  row_args a = {};
-  a.y = y;
-  a.x = x;
-  a.w = w;
-  a.bias = bias;
-  a.M = M;
-  a.N = N;
-  a.K = K;
-  a.acc = accumulate;
+  const row_args a = make_row(y, x, w, bias, M, N, K, accumulate);
   if (wdt == PD_DTYPE_BF16)
     dispatch_m<__nv_bfloat16>(st, a);
   else if (wdt == PD_DTYPE_F16)
@@ -584,13 +584,7 @@ int pd_cuda_gemv_next_parts(int N) { return (N + kWarps - 1) / kWarps; }
 
 void pd_cuda_gemv_glu(cudaStream_t st, float *act, const float *x, const void *w, pd_dtype wdt,
                       const float *bias, int M, int F, int K, const pd_cuda_gemv_pre *pre) {
-  pair_args a = {};
-  a.x = x;
-  a.w = w;
-  a.bias = bias;
-  a.M = M;
-  a.K = K;
-  a.n_pairs = F;
+  pair_args a = make_pair(x, w, bias, M, K, F);
   a.pre = to_pre(pre);
   a.act = act;
   a.F = F;
@@ -601,15 +595,7 @@ void pd_cuda_gemv_fused(cudaStream_t st, float *y, const float *x, const void *w
                         const float *bias, int M, int N, int K, bool accumulate,
                         const pd_cuda_gemv_pre *pre, const float *next_g, float *next_xg,
                         float *next_ss) {
-  row_args a = {};
-  a.y = y;
-  a.x = x;
-  a.w = w;
-  a.bias = bias;
-  a.M = M;
-  a.N = N;
-  a.K = K;
-  a.acc = accumulate;
+  row_args a = make_row(y, x, w, bias, M, N, K, accumulate);
   a.pre = to_pre(pre);
   a.next_g = next_g;
   a.next_xg = next_xg;
@@ -635,13 +621,7 @@ void pd_cuda_gemv_rope_kv(cudaStream_t st, float *q_out, const float *x, const v
                           const pd_cuda_gemv_pre *pre, const int32_t *pos,
                           const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *sh,
                           const int32_t *slots, int nq) {
-  pair_args a = {};
-  a.x = x;
-  a.w = w;
-  a.bias = bias;
-  a.M = M;
-  a.K = K;
-  a.n_pairs = (nq + 2 * sh->num_kv_heads) * (sh->head_dim / 2);
+  pair_args a = make_pair(x, w, bias, M, K, (nq + 2 * sh->num_kv_heads) * (sh->head_dim / 2));
   a.pre = to_pre(pre);
   a.q_out = q_out;
   a.pos = pos;
