@@ -265,7 +265,7 @@ int main(int argc, char **argv) {
       int S, ctx;
       pd_dtype dt;
     } dc[] = {{32, 8192, PD_DTYPE_BF16}, {32, 8192, PD_DTYPE_F32}, {1, 32768, PD_DTYPE_BF16},
-              {128, 2048, PD_DTYPE_BF16}};
+              {128, 2048, PD_DTYPE_BF16}, {256, 1024, PD_DTYPE_BF16}, {1, 384, PD_DTYPE_BF16}};
     for (auto &c : dc) {
       double us = attn_case(c.S, 1, c.ctx, 32, 8, 128, 16, c.dt, &bytes);
       char shape[80];

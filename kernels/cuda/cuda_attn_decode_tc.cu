@@ -10,8 +10,17 @@
  * registers, then O += P V with P repacked in registers as the A operand and V's B fragments from
  * ldmatrix.trans. The 4 warps' (m, l, O) are merged through shared memory at the end; the block
  * writes the normalised output (one split) or the unnormalised partial and (m, l) for the merge
- * kernel, in the same convention as the SIMT decode kernel (cuda_attn_decode.cu). */
+ * kernel, in the same convention as the SIMT decode kernel (cuda_attn_decode.cu).
+ *
+ * CL (Hopper, at most kMaxCluster splits): the splits of one (sequence, KV head) run as one
+ * thread-block cluster and merge through distributed shared memory instead of the partial
+ * workspace and the merge kernel: each block leaves its (m, l, O) in its own shared memory, and
+ * after a cluster barrier block k merges every k-th output element from all the blocks' copies.
+ * That saves a kernel and a round trip through global memory per layer, which is what a short
+ * decode attention (batch 1, a few hundred keys, a few microseconds) is made of. */
 #include <math.h>
+
+#include <cooperative_groups.h>
 
 #include "cuda_mma.h"
 
@@ -27,10 +36,14 @@ template <int HD> struct tc_geom {
   static constexpr int STAGE = 2 * BN * LD;   /* K then V, elements */
   static constexpr size_t SMEM_TILES = (size_t)2 * STAGE * 2;           /* two stages, bytes */
   static constexpr size_t SMEM_MERGE = (size_t)kWarps * 16 * (HD + 2) * 4; /* O, m, l */
-  static constexpr size_t SMEM = SMEM_TILES > SMEM_MERGE ? SMEM_TILES : SMEM_MERGE;
+  /* CL: the block's merged O [16][HD] and (m, l) [16], after the warps' merge area */
+  static constexpr size_t CL_OFF = (SMEM_MERGE + 15) / 16 * 16;
+  static constexpr size_t SMEM_CL = CL_OFF + (size_t)16 * HD * 4 + 16 * 8;
+  static constexpr size_t SMEM_A = SMEM_TILES > SMEM_MERGE ? SMEM_TILES : SMEM_MERGE;
+  static constexpr size_t SMEM = SMEM_A > SMEM_CL ? SMEM_A : SMEM_CL;
 };
 
-template <int HD, typename KT>
+template <int HD, typename KT, bool CL>
 __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_attn a) {
   using G_ = tc_geom<HD>;
   constexpr int LD = G_::LD, CPR = G_::CPR, KS = HD / 16, DT = HD / 8;
@@ -55,15 +68,17 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   const int kend = kb_l + sl < L ? (int)(kb_l + sl) : L;
   const size_t qrow0 = (size_t)t * nq + (size_t)g * G; /* first query row of the group */
 
-  if (kbeg >= kend) { /* an empty split (n_splits > 1 only) */
+  if (!CL && kbeg >= kend) { /* an empty split (n_splits > 1 only) */
     if (tid < G)
       a.part_ml[(size_t)split * a.n_tokens * nq + qrow0 + tid] = make_float2(-INFINITY, 0.0f);
     return;
   }
+  /* (CL: an empty split walks no tile and leaves m = -inf, l = 0: every block of a cluster
+   * reaches its barriers) */
 
   const KT *kc = static_cast<const KT *>(a.k), *vc = static_cast<const KT *>(a.v);
   const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
-  const int n_tiles = (kend - kbeg + BN - 1) / BN;
+  const int n_tiles = kbeg < kend ? (kend - kbeg + BN - 1) / BN : 0;
 
   auto load_tile = [&](int tile, int stage) {
     KT *sk = tiles + stage * G_::STAGE, *sv = sk + BN * LD;
@@ -80,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   };
 
   /* the first tile's copies go out before Q is staged: the two loads overlap */
-  load_tile(0, 0);
+  if (n_tiles > 0) load_tile(0, 0);
   /* Q rows (scaled into the log2 domain), zero rows past G */
   const float qscale = a.scale * PD_LOG2E;
   for (int i = tid; i < 16 * (HD / 2); i += kThreads) {
@@ -216,7 +231,11 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
       num += wt * sO[(w * 16 + r) * HD + d];
       den += wt * sL[w * 16 + r];
     }
-    if (a.n_splits == 1) {
+    if (CL) {
+      float *cO = reinterpret_cast<float *>(smem + G_::CL_OFF);
+      cO[r * HD + d] = num;
+      if (d == 0) reinterpret_cast<float2 *>(cO + 16 * HD)[r] = make_float2(M, den);
+    } else if (a.n_splits == 1) {
       a.out[(qrow0 + r) * HD + d] = num / den;
     } else {
       const size_t sb = (size_t)split * a.n_tokens * nq;
@@ -224,13 +243,89 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
       if (d == 0) a.part_ml[sb + qrow0 + r] = make_float2(M, den);
     }
   }
+  if constexpr (CL) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    /* the cluster's merge, as merge_kernel's: weights 2^(m_k - max), out = sum w O / sum w l */
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    cl.sync(); /* every block's (m, l, O) is in its shared memory */
+    const int nb = (int)cl.num_blocks(), rank = (int)cl.block_rank();
+    float *cO = reinterpret_cast<float *>(smem + G_::CL_OFF);
+    for (int i = rank * kThreads + tid; i < G * HD; i += nb * kThreads) {
+      const int r = i / HD, d = i - r * HD;
+      float M = -INFINITY;
+      for (int k = 0; k < nb; k++) {
+        const float2 *ml = reinterpret_cast<const float2 *>(cl.map_shared_rank(cO, k) + 16 * HD);
+        M = fmaxf(M, ml[r].x);
+      }
+      float num = 0.0f, den = 0.0f;
+      for (int k = 0; k < nb; k++) {
+        const float *po = cl.map_shared_rank(cO, k);
+        const float2 ml = reinterpret_cast<const float2 *>(po + 16 * HD)[r];
+        const float wt = ml.x == -INFINITY ? 0.0f : exp2f(ml.x - M);
+        num += wt * po[r * HD + d];
+        den += wt * ml.y;
+      }
+      a.out[(qrow0 + r) * HD + d] = num / den;
+    }
+    cl.sync(); /* no block leaves while the others read its shared memory */
+#else
+    __trap(); /* launched only on compute capability 9.0 and later */
+#endif
+  }
 }
+
+constexpr int kMaxCluster = 8; /* the portable cluster size */
 
 template <int HD, typename KT> void launch_hd(cudaStream_t st, const pd_cuda_attn *a) {
   const size_t smem = tc_geom<HD>::SMEM;
-  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT>, smem);
   dim3 grid((unsigned)a->n_seqs, (unsigned)a->n_kv_heads, (unsigned)a->n_splits);
-  attn_decode_tc_kernel<HD, KT><<<grid, kThreads, smem, st>>>(*a);
+  if (a->cluster) {
+    pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, true>, smem);
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = 1;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = (unsigned)a->n_splits;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    cudaLaunchKernelEx(&cfg, attn_decode_tc_kernel<HD, KT, true>, *a);
+    return;
+  }
+  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, false>, smem);
+  attn_decode_tc_kernel<HD, KT, false><<<grid, kThreads, smem, st>>>(*a);
+}
+
+/* Whether a cluster of kMaxCluster blocks of the CL kernel fits on this device (checked once
+ * per kernel: the answer depends on its shared memory only). */
+template <int HD, typename KT> bool cluster_fits() {
+  static int fits = -1;
+  if (fits < 0) {
+    const size_t smem = tc_geom<HD>::SMEM;
+    pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, true>, smem);
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = 1;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = kMaxCluster;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1, 1, kMaxCluster);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    int n = 0;
+    const cudaError_t r = cudaOccupancyMaxActiveClusters(
+        &n, (const void *)attn_decode_tc_kernel<HD, KT, true>, &cfg);
+    if (r != cudaSuccess) cudaGetLastError();
+    fits = r == cudaSuccess && n > 0;
+  }
+  return fits > 0;
 }
 
 template <typename KT> void launch_kt(cudaStream_t st, const pd_cuda_attn *a) {
@@ -241,7 +336,19 @@ template <typename KT> void launch_kt(cudaStream_t st, const pd_cuda_attn *a) {
   }
 }
 
+template <typename KT> bool fits_kt(int hd) {
+  return hd == 64 ? cluster_fits<64, KT>() : hd == 80 ? cluster_fits<80, KT>()
+                                                      : cluster_fits<128, KT>();
+}
+
 } // namespace
+
+int pd_cuda_attn_decode_tc_max_cluster(const pd_cuda_attn *a, int cc_major) {
+  if (cc_major < 9 || !pd_cuda_attn_decode_tc_ok(a)) return 1;
+  const bool fits = a->kv_dtype == PD_DTYPE_BF16 ? fits_kt<__nv_bfloat16>(a->head_dim)
+                                                 : fits_kt<__half>(a->head_dim);
+  return fits ? kMaxCluster : 1;
+}
 
 bool pd_cuda_attn_decode_tc_ok(const pd_cuda_attn *a) {
   return (a->kv_dtype == PD_DTYPE_BF16 || a->kv_dtype == PD_DTYPE_F16) && a->group >= 1 &&

@@ -199,6 +199,10 @@ typedef struct pd_cuda_attn {
   float *part_o;
   float2 *part_ml;
   int32_t *tile_start; /* prefill: [n_seqs + 1] scratch for the tile prefix sums */
+  /* tensor-core decode only: the n_splits (2 .. pd_cuda_attn_decode_tc_max_cluster) splits of a
+   * (sequence, KV head) run as one cluster and merge in shared memory: out written directly,
+   * part_o / part_ml unused, no merge kernel */
+  bool cluster;
 } pd_cuda_attn;
 
 /* True when the tuned kernels cover this head dim (64, 80, 128). */
@@ -209,6 +213,9 @@ void pd_cuda_attn_decode(cudaStream_t st, const pd_cuda_attn *a);
  * head dims; grid over (sequence, KV head, split), all heads of a group in one block. */
 bool pd_cuda_attn_decode_tc_ok(const pd_cuda_attn *a);
 void pd_cuda_attn_decode_tc(cudaStream_t st, const pd_cuda_attn *a);
+/* The most splits a->cluster takes on this device (compute capability cc_major): 8 on Hopper
+ * and later when such a cluster fits, else 1 (no cluster merge). */
+int pd_cuda_attn_decode_tc_max_cluster(const pd_cuda_attn *a, int cc_major);
 /* Heads one decode block handles (its query-head chunk) for this group size. */
 int pd_cuda_attn_decode_heads(int group);
 /* Prefill / mixed batches: tiles of PD_CUDA_ATTN_BM (token, head) rows. */

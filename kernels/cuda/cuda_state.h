@@ -17,6 +17,7 @@
 struct cuda_impl {
   int dev;
   int n_sm;
+  int cc_major; /* compute capability */
   cudaStream_t st;
   cublasHandle_t blas;
   void *blas_ws;

@@ -626,6 +626,26 @@ static void test_attention(void) {
     run_attn(&c);
   }
 
+  /* few sequences (batch-1 decode): 64-key splits; on Hopper up to 8 of them merge inside a
+   * thread-block cluster, more go through the merge kernel. Contexts at and around those limits,
+   * with empty splits (a 1-token sequence next to a 512-token one). */
+  {
+    static const int few[][2] = {{300, 0}, {512, 1}, {513, 70}, {64, 65}, {129, 0}};
+    for (int f = 0; f < 5; f++) {
+      const int nf = few[f][1] ? 2 : 1;
+      for (int s = 0; s < nf; s++) {
+        n_new[s] = 1;
+        ctx[s] = few[f][s];
+      }
+      for (int l = 0; l < 3; l++) {
+        static const int fl[][3] = {{32, 8, 128}, {8, 8, 80}, {24, 2, 64}};
+        attn_case c = {"decode few", nf, n_new, ctx, fl[l][0], fl[l][1], fl[l][2], 16,
+                       l == 1 ? PD_DTYPE_F16 : PD_DTYPE_BF16, 0, tol_tc};
+        run_attn(&c);
+      }
+    }
+  }
+
   /* mixed prefill: whole prompts, chunks over a cached prefix, decodes in the same batch */
   static const int mix_new[] = {1, 700, 37, 1, 130, 64, 3, 255};
   static const int mix_ctx[] = {1, 700, 1200, 513, 130, 80, 900, 256};
