@@ -92,16 +92,29 @@ struct pre_args {
   float eps;
 };
 
-/* A warp's rmsnorm scale for row m: lanes start the partial loads (pre_load) before the main
- * loop and finish the sum (pre_scale) after it. */
+/* A warp's rmsnorm scale for row m: the lanes load the partial sums (load) once the first
+ * weight chunks are in flight, so that their latency hides behind those, and finish the sum
+ * (scale) after the main loop. The partials are read 4 at a time (independent 16-byte loads,
+ * one round trip for the usual 512 of them): summed one load after another they cost several
+ * L2 round trips before the first weights were even requested. */
 template <int MT> struct pre_sum {
   float v[MT];
   __device__ __forceinline__ void load(const pre_args &p, int M, int lane) {
 #pragma unroll
     for (int m = 0; m < MT; m++) {
       v[m] = 0.0f;
-      if (m < M)
-        for (int i = lane; i < p.parts; i += 32) v[m] += __ldg(p.ss + (size_t)m * p.parts + i);
+      if (m >= M) continue;
+      const float *row = p.ss + (size_t)m * p.parts;
+      if ((p.parts & 3) == 0 && ((uintptr_t)p.ss & 15) == 0) {
+        const float4 *r4 = reinterpret_cast<const float4 *>(row);
+#pragma unroll 4
+        for (int i = lane; i < p.parts / 4; i += 32) {
+          const float4 t = __ldg(r4 + i);
+          v[m] += (t.x + t.y) + (t.z + t.w);
+        }
+      } else {
+        for (int i = lane; i < p.parts; i += 32) v[m] += __ldg(row + i);
+      }
     }
   }
   __device__ __forceinline__ float scale(const pre_args &p, int m, int K) {
@@ -112,45 +125,61 @@ template <int MT> struct pre_sum {
 /* One warp's dot products of R rows of W (wr[r]: 16-byte chunks, K wide) with the M <= MT rows
  * of x: lanes take chunks c = lane, lane + 32, ..., U chunks of each row in flight per lane
  * (all loaded before any is used); acc[r][m] gets this lane's partial sums (a warp sum after).
+ * The caller loads the first U chunks (warp_load at c0 = lane) and may issue other loads (the
+ * norm partials) before warp_dot uses them.
  * (Software pipelining, the next U chunks requested before this U are used, measured slower on
  * the H200: 4096 x 4096 11.8 -> 12.7 us, 6144 x 4096 16.0 -> 19.2 us.) */
+template <int R, int U>
+__device__ __forceinline__ void warp_load(const uint4 *const (&wr)[R], int c0, int nch,
+                                          uint4 (&raw)[U][R]) {
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    const int c = c0 + u * 32;
+#pragma unroll
+    for (int r = 0; r < R; r++) raw[u][r] = c < nch ? __ldcs(wr[r] + c) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 template <typename WT, int MT, int R, int U>
-__device__ __forceinline__ void warp_dot(const uint4 *const (&wr)[R], const float *__restrict__ x,
-                                         int M, int K, int lane, float (&acc)[R][MT]) {
+__device__ __forceinline__ void warp_fma(const uint4 (&raw)[U][R], const float *__restrict__ x,
+                                         int M, int K, int c0, int nch, float (&acc)[R][MT]) {
   constexpr int E = wvec<WT>::n;
-  const int nch = K / E;
-  for (int c0 = lane; c0 < nch; c0 += 32 * U) {
-    uint4 raw[U][R];
 #pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int c = c0 + u * 32;
+  for (int u = 0; u < U; u++) {
+    const int c = c0 + u * 32;
+    if (c >= nch) break;
+    float wf[R][E];
 #pragma unroll
-      for (int r = 0; r < R; r++) raw[u][r] = c < nch ? __ldcs(wr[r] + c) : make_uint4(0, 0, 0, 0);
-    }
+    for (int r = 0; r < R; r++) wvec<WT>::unpack(raw[u][r], wf[r]);
 #pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int c = c0 + u * 32;
-      if (c >= nch) break;
-      float wf[R][E];
+    for (int m = 0; m < MT; m++) {
+      if (m >= M) break;
+      const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)m * K + (size_t)c * E);
 #pragma unroll
-      for (int r = 0; r < R; r++) wvec<WT>::unpack(raw[u][r], wf[r]);
+      for (int j = 0; j < E / 4; j++) {
+        const float4 t = __ldg(xp + j);
 #pragma unroll
-      for (int m = 0; m < MT; m++) {
-        if (m >= M) break;
-        const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)m * K + (size_t)c * E);
-#pragma unroll
-        for (int j = 0; j < E / 4; j++) {
-          const float4 t = __ldg(xp + j);
-#pragma unroll
-          for (int r = 0; r < R; r++) {
-            acc[r][m] = fmaf(wf[r][4 * j], t.x, acc[r][m]);
-            acc[r][m] = fmaf(wf[r][4 * j + 1], t.y, acc[r][m]);
-            acc[r][m] = fmaf(wf[r][4 * j + 2], t.z, acc[r][m]);
-            acc[r][m] = fmaf(wf[r][4 * j + 3], t.w, acc[r][m]);
-          }
+        for (int r = 0; r < R; r++) {
+          acc[r][m] = fmaf(wf[r][4 * j], t.x, acc[r][m]);
+          acc[r][m] = fmaf(wf[r][4 * j + 1], t.y, acc[r][m]);
+          acc[r][m] = fmaf(wf[r][4 * j + 2], t.z, acc[r][m]);
+          acc[r][m] = fmaf(wf[r][4 * j + 3], t.w, acc[r][m]);
         }
       }
     }
+  }
+}
+
+/* raw: the chunks at c0 = lane, from warp_load. */
+template <typename WT, int MT, int R, int U>
+__device__ __forceinline__ void warp_dot(const uint4 *const (&wr)[R], const float *__restrict__ x,
+                                         int M, int K, int lane, uint4 (&raw)[U][R],
+                                         float (&acc)[R][MT]) {
+  const int nch = K / wvec<WT>::n;
+  warp_fma<WT, MT, R, U>(raw, x, M, K, lane, nch, acc);
+  for (int c0 = lane + 32 * U; c0 < nch; c0 += 32 * U) {
+    warp_load<R, U>(wr, c0, nch, raw);
+    warp_fma<WT, MT, R, U>(raw, x, M, K, c0, nch, acc);
   }
 }
 
@@ -181,13 +210,13 @@ __global__ void __launch_bounds__(WPB * 32) gemv_row_kernel(row_args a) {
   float dot[1][MT];
 #pragma unroll
   for (int m = 0; m < MT; m++) dot[0][m] = 0.0f;
+  const uint4 *const wr[1] = {
+      reinterpret_cast<const uint4 *>(static_cast<const WT *>(a.w) + (size_t)(active ? n : 0) * K)};
+  uint4 raw[U][1];
   pre_sum<MT> pre;
+  if (active) warp_load<1, U>(wr, lane, K / wvec<WT>::n, raw);
   if (PRE) pre.load(a.pre, M, lane);
-  if (active) {
-    const uint4 *const wr[1] = {
-        reinterpret_cast<const uint4 *>(static_cast<const WT *>(a.w) + (size_t)n * K)};
-    warp_dot<WT, MT, 1, U>(wr, a.x, M, K, lane, dot);
-  }
+  if (active) warp_dot<WT, MT, 1, U>(wr, a.x, M, K, lane, raw, dot);
   float acc[MT];
 #pragma unroll
   for (int m = 0; m < MT; m++) {
@@ -391,12 +420,14 @@ __global__ void __launch_bounds__(WPB * 32) gemv_pair_kernel(pair_args a) {
   const WT *w = static_cast<const WT *>(a.w);
   const uint4 *const wr[2] = {reinterpret_cast<const uint4 *>(w + (size_t)r0 * K),
                               reinterpret_cast<const uint4 *>(w + (size_t)r1 * K)};
+  uint4 raw[U][2];
+  pre_sum<MT> pre;
+  warp_load<2, U>(wr, lane, K / wvec<WT>::n, raw);
   float dot[2][MT];
 #pragma unroll
   for (int m = 0; m < MT; m++) dot[0][m] = dot[1][m] = 0.0f;
-  pre_sum<MT> pre;
   if (PRE) pre.load(a.pre, M, lane);
-  warp_dot<WT, MT, 2, U>(wr, a.x, M, K, lane, dot);
+  warp_dot<WT, MT, 2, U>(wr, a.x, M, K, lane, raw, dot);
   float s0[MT], s1[MT];
 #pragma unroll
   for (int m = 0; m < MT; m++) {
