@@ -74,6 +74,9 @@ run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-l
 step "where a batch-1 decode step goes (PD_CUDA_PROFILE=1, eager)"
 PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 \
   --prompt-len 128 --decode-tokens 64 --repeat 1 --enforce-eager 2>&1 | head -18
+step "a batch-1 step with graphs: the replay's GPU time against the step's (PD_CUDA_PROFILE=1)"
+PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 \
+  --prompt-len 128 --decode-tokens 256 --repeat 1 2>&1 | grep -E "graph replay|sample|ms/step|^ +1 "
 # (enough decode tokens that the last prompts are in before the first sequences finish)
 step "where a 256 x 1k decode step goes (PD_CUDA_PROFILE=1, eager; M=256 rows)"
 PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 \
