@@ -675,9 +675,10 @@ void cu_destroy(pd_backend *be) {
 
 void pd_cuda_free_extras(cuda_impl *c) {
   cudaFree(c->smp_dev);
+  cudaFree(c->smp_greedy);
   if (c->smp_host) cudaFreeHost(c->smp_host);
   cudaFree(c->stage_dev);
-  c->smp_dev = c->smp_host = c->stage_dev = NULL;
+  c->smp_dev = c->smp_host = c->stage_dev = c->smp_greedy = NULL;
   c->smp_dev_size = c->smp_host_size = c->stage_dev_size = 0;
 }
 

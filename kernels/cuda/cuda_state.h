@@ -34,8 +34,9 @@ struct cuda_impl {
   /* device sampling (cuda_sample.cu) */
   void *smp_dev;   /* specs, edits, outputs, scratch on the device */
   size_t smp_dev_size;
-  void *smp_host;  /* pinned mirror of specs, edits, outputs */
+  void *smp_host;  /* pinned mirror of specs, edits, outputs (mapped: small calls write there) */
   size_t smp_host_size;
+  void *smp_greedy; /* the greedy fast path's per-row counters and chunk partials (zeroed) */
   /* the RMSNorm hand-off between fused decode GEMVs (cu_matmul_fused): two buffers of partial
    * sums (a GEMV may read one while writing the other) and what the last producer left */
   float *ho_ss[2]; /* [2 rows][PD_CUDA_HO_PARTS] each */

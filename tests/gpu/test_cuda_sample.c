@@ -264,6 +264,15 @@ static void check_logprobs(const float *row, int V, int tok, int n_top,
   }
 }
 
+/* Bit-identical outputs. */
+static int same_out(const pd_dev_sample_out *a, const pd_dev_sample_out *b) {
+  int same = a->token == b->token && a->rank == b->rank && a->n_top == b->n_top &&
+             memcmp(&a->logprob, &b->logprob, sizeof a->logprob) == 0;
+  for (int j = 0; same && j < a->n_top; j++)
+    same = a->top_id[j] == b->top_id[j] && a->top_logprob[j] == b->top_logprob[j];
+  return same;
+}
+
 static void run_calls(const float *d_logits, int V, const pd_dev_sample_spec *specs, int n,
                       const edits_buf *eb, pd_dev_sample_out *out, int per_call) {
   for (int i = 0; i < n; i += per_call) {
@@ -398,16 +407,40 @@ static void test_vocab(int V) {
   int diff = 0;
   for (int i = 0; i < n2; i++) {
     if (from[i] < 0) continue;
-    const pd_dev_sample_out *a = &out[from[i]], *b = &out2[i];
-    int same = a->token == b->token && a->rank == b->rank && a->n_top == b->n_top &&
-               memcmp(&a->logprob, &b->logprob, sizeof a->logprob) == 0;
-    for (int j = 0; same && j < a->n_top; j++)
-      same = a->top_id[j] == b->top_id[j] && a->top_logprob[j] == b->top_logprob[j];
-    diff += !same;
+    diff += !same_out(&out[from[i]], &out2[i]);
   }
   CHECKF(diff == 0, "V=%d: %d outputs differ when shuffled among other rows", V, diff);
   printf("  %d items (%d with failures), %d specs, %d edits; shuffled call of %d specs: "
          "%d differ\n", n_items, bad_items, n_specs, eb.n, n2, diff);
+
+  /* small calls of greedy rows without edits or logprobs (1 to 16 rows: the multi-block argmax
+   * with no copies): the same outputs as in the big call, which took the general kernel (every
+   * row kind: ties, NaN, +-inf, all -inf, all NaN) */
+  {
+    pd_dev_sample_spec sb[16];
+    int idx[16], nb = 0, calls = 0, n_small = 0, sdiff = 0;
+    for (int i = 0; i <= n_specs; i++) {
+      if (i < n_specs && specs[i].edit_count == 0 && specs[i].n_top < 0 &&
+          specs[i].temperature < PD_SAMPLE_GREEDY_EPS) {
+        sb[nb] = specs[i];
+        sb[nb].edit_begin = 0;
+        idx[nb++] = i;
+      }
+      if (nb > 0 && (nb == calls % 16 + 1 || i == n_specs)) {
+        pd_dev_sample_out o3[16];
+        g_gpu->ops.sample(g_gpu, o3, d_logits, V, sb, nb, NULL, 0);
+        for (int j = 0; j < nb; j++) sdiff += !same_out(&out[idx[j]], &o3[j]);
+        n_small += nb;
+        nb = 0;
+        calls++;
+      }
+    }
+    pd_err e2 = {0};
+    CHECKF(pd_backend_cuda_status(g_gpu, &e2) == PD_OK, "backend error: %s", e2.msg);
+    CHECKF(n_small > 0 && sdiff == 0, "V=%d: %d of %d outputs of small greedy calls differ", V,
+           sdiff, n_small);
+    printf("  small greedy calls: %d specs in %d calls, %d differ\n", n_small, calls, sdiff);
+  }
 
   for (int i = 0; i < n_items; i++) pd_sampler_free(items[i].s);
   free(items);
