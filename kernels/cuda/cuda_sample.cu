@@ -1168,7 +1168,12 @@ bool grow_host(cuda_impl *c, size_t bytes) {
     c->smp_host_size = 0;
   }
   void *p = NULL;
-  if (!CK(c, cudaHostAlloc(&p, bytes, cudaHostAllocMapped))) return false;
+  /* mapped where the platform allows (the greedy fast path writes there), else plain pinned */
+  if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped) != cudaSuccess) {
+    cudaGetLastError();
+    p = NULL;
+    if (!CK(c, cudaHostAlloc(&p, bytes, cudaHostAllocDefault))) return false;
+  }
   c->smp_host = p;
   c->smp_host_size = bytes;
   return true;
@@ -1259,6 +1264,11 @@ void cu_sample(pd_backend *be, pd_dev_sample_out *out, const float *logits, int 
   bool fast = fast_on && n <= kFastRows && n_edits == 0;
   for (int i = 0; fast && i < n; i++)
     fast = specs[i].temperature < kGreedyEps && specs[i].n_top < 0 && specs[i].edit_count == 0;
+  pd_dev_sample_out *hout = NULL; /* the device's address of the outputs' staging */
+  if (fast && cudaHostGetDevicePointer((void **)&hout, ho, 0) != cudaSuccess) {
+    cudaGetLastError(); /* not mapped: the general path */
+    fast = false;
+  }
   if (fast && !c->smp_greedy) {
     if (!CK(c, cudaMalloc(&c->smp_greedy, sizeof(FastScratch))) ||
         !CK(c, cudaMemsetAsync(c->smp_greedy, 0, sizeof(FastScratch), c->st))) {
@@ -1270,13 +1280,9 @@ void cu_sample(pd_backend *be, pd_dev_sample_out *out, const float *logits, int 
     FastRows fr;
     memset(&fr, 0, sizeof fr);
     for (int i = 0; i < n; i++) fr.row[i] = specs[i].row;
-    pd_dev_sample_out *hout = NULL;
-    bool ok = CK(c, cudaHostGetDevicePointer((void **)&hout, ho, 0));
-    if (ok) {
-      greedy_kernel<<<dim3(kFastChunks, (unsigned)n), kFastThreads, 0, c->st>>>(
-          logits, vocab, fr, static_cast<FastScratch *>(c->smp_greedy), hout);
-      ok = CK_LAUNCH(c, "sample (greedy)");
-    }
+    greedy_kernel<<<dim3(kFastChunks, (unsigned)n), kFastThreads, 0, c->st>>>(
+        logits, vocab, fr, static_cast<FastScratch *>(c->smp_greedy), hout);
+    bool ok = CK_LAUNCH(c, "sample (greedy)");
     ok = CK(c, cudaStreamSynchronize(c->st)) && ok;
     if (!ok) {
       fail_all(out, n);
