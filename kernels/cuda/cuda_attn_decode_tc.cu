@@ -277,23 +277,32 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
 
 constexpr int kMaxCluster = 8; /* the portable cluster size */
 
+/* The launch of the CL kernel over `grid`, the splits (grid z) of a (sequence, KV head) one
+ * cluster; *at is the cluster attribute cfg points to. Also sets the shared-memory opt-in. */
+template <int HD, typename KT>
+cudaLaunchConfig_t cluster_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute *at) {
+  const size_t smem = tc_geom<HD>::SMEM;
+  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, true>, smem);
+  at->id = cudaLaunchAttributeClusterDimension;
+  at->val.clusterDim.x = 1;
+  at->val.clusterDim.y = 1;
+  at->val.clusterDim.z = grid.z;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 template <int HD, typename KT> void launch_hd(cudaStream_t st, const pd_cuda_attn *a) {
   const size_t smem = tc_geom<HD>::SMEM;
   dim3 grid((unsigned)a->n_seqs, (unsigned)a->n_kv_heads, (unsigned)a->n_splits);
   if (a->cluster) {
-    pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, true>, smem);
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = 1;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = (unsigned)a->n_splits;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute at;
+    const cudaLaunchConfig_t cfg = cluster_config<HD, KT>(grid, st, &at);
     cudaLaunchKernelEx(&cfg, attn_decode_tc_kernel<HD, KT, true>, *a);
     return;
   }
@@ -306,19 +315,8 @@ template <int HD, typename KT> void launch_hd(cudaStream_t st, const pd_cuda_att
 template <int HD, typename KT> bool cluster_fits() {
   static int fits = -1;
   if (fits < 0) {
-    const size_t smem = tc_geom<HD>::SMEM;
-    pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, true>, smem);
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = 1;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = kMaxCluster;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(1, 1, kMaxCluster);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute at;
+    const cudaLaunchConfig_t cfg = cluster_config<HD, KT>(dim3(1, 1, kMaxCluster), 0, &at);
     int n = 0;
     const cudaError_t r = cudaOccupancyMaxActiveClusters(
         &n, (const void *)attn_decode_tc_kernel<HD, KT, true>, &cfg);

@@ -3,8 +3,9 @@
  * around it on the backend's stream (not during a graph capture, so run with --enforce-eager to
  * see the ops of decode steps), the elapsed times are collected at each sync and summed by op and
  * shape, and the table is printed to stderr when the backend is destroyed (the ops are restored
- * by then: nothing else of the backend changes). Graph replays are timed as one op each. The events serialise
- * nothing beyond what the stream already orders, but add a little host time per op. */
+ * by then: nothing else of the backend changes). Graph replays are timed as one op each. The
+ * events serialise nothing beyond what the stream already orders, but add a little host time
+ * per op. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -202,7 +203,9 @@ void pd_cuda_profile_report(pd_backend *be) {
   double total = 0;
   for (int i = 0; i < g_prof->n_keys; i++) total += g_prof->keys[i].ms;
   qsort(g_prof->keys, (size_t)g_prof->n_keys, sizeof g_prof->keys[0], cmp_ms);
-  fprintf(stderr, "\nPD_CUDA_PROFILE: GPU time by op (eager ops and whole graph replays), %.1f ms in all\n", total);
+  fprintf(stderr,
+          "\nPD_CUDA_PROFILE: GPU time by op (eager ops and whole graph replays), %.1f ms in all\n",
+          total);
   fprintf(stderr, "%-52s %10s %10s %10s %6s\n", "op", "calls", "total ms", "us/call", "%");
   for (int i = 0; i < g_prof->n_keys; i++) {
     const prof_key *k = &g_prof->keys[i];
