@@ -606,7 +606,13 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
         const char *ev = getenv("PD_CUDA_ATTN_CLUSTER");
         cluster_on = !(ev && !strcmp(ev, "0"));
       }
-      choose_splits(c, &a, blocks, 6LL * c->n_sm, span, blocks < c->n_sm ? 64 : 256, 64);
+      static int per_sm = -1; /* PD_CUDA_ATTN_TARGET: blocks an SM aimed at (measurement) */
+      if (per_sm < 0) {
+        const char *ev = getenv("PD_CUDA_ATTN_TARGET");
+        per_sm = ev && atoi(ev) > 0 ? atoi(ev) : 6;
+      }
+      choose_splits(c, &a, blocks, (long long)per_sm * c->n_sm, span, blocks < c->n_sm ? 64 : 256,
+                    64);
       if (a.n_splits > 1) a.split_len = 0; /* per sequence: see pd_cuda_attn */
       a.cluster = cluster_on && a.n_splits > 1 &&
                   a.n_splits <= pd_cuda_attn_decode_tc_max_cluster(&a, c->cc_major);
