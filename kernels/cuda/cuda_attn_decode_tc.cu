@@ -80,14 +80,31 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
   const int n_tiles = kbeg < kend ? (kend - kbeg + BN - 1) / BN : 0;
 
+  /* A thread copies NJ 16-byte chunks of K and of V per tile: rows (tid + j * kThreads) / CPR.
+   * Their pages' ids are read from the block table one tile ahead of the copies (pid), so that
+   * issuing a tile's copies waits for no load, and power-of-two page sizes take shifts. */
+  constexpr int NJ = BN * CPR / kThreads;
+  static_assert(BN * CPR % kThreads == 0, "a tile's chunks split evenly over the threads");
+  const int bs_sh = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
+  auto page_of = [&](int kp) { return bs_sh >= 0 ? kp >> bs_sh : kp / bs; };
+  int pid[NJ]; /* page of each of this thread's rows in the next tile to copy, -1 past the end */
+  auto read_pages = [&](int tile) {
+    const int k0 = kbeg + tile * BN;
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+      const int kp = k0 + (tid + j * kThreads) / CPR;
+      pid[j] = kp < kend ? __ldg(bt + page_of(kp)) : -1;
+    }
+  };
   auto load_tile = [&](int tile, int stage) {
     KT *sk = tiles + stage * G_::STAGE, *sv = sk + BN * LD;
     const int k0 = kbeg + tile * BN;
-    for (int i = tid; i < BN * CPR; i += kThreads) {
-      const int r = i / CPR, c = i - r * CPR, kp = k0 + r;
-      const bool ok = kp < kend;
-      const size_t off =
-          ok ? (((size_t)bt[kp / bs] * nkv + g) * bs + kp % bs) * HD + (size_t)c * 8 : 0;
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+      const int i = tid + j * kThreads, r = i / CPR, c = i - r * CPR, kp = k0 + r;
+      const bool ok = pid[j] >= 0;
+      const int in_page = bs_sh >= 0 ? kp & (bs - 1) : kp - page_of(kp) * bs;
+      const size_t off = ok ? (((size_t)pid[j] * nkv + g) * bs + in_page) * HD + (size_t)c * 8 : 0;
       pd_cp_async16(&sk[r * LD + c * 8], kc + off, ok ? 16 : 0);
       pd_cp_async16(&sv[r * LD + c * 8], vc + off, ok ? 16 : 0);
     }
@@ -95,7 +112,11 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   };
 
   /* the first tile's copies go out before Q is staged: the two loads overlap */
-  if (n_tiles > 0) load_tile(0, 0);
+  if (n_tiles > 0) {
+    read_pages(0);
+    load_tile(0, 0);
+    if (n_tiles > 1) read_pages(1);
+  }
   /* Q rows (scaled into the log2 domain), zero rows past G */
   const float qscale = a.scale * PD_LOG2E;
   for (int i = tid; i < 16 * (HD / 2); i += kThreads) {
@@ -123,6 +144,7 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   for (int tile = 0; tile < n_tiles; tile++) {
     if (tile + 1 < n_tiles) {
       load_tile(tile + 1, (tile + 1) & 1);
+      if (tile + 2 < n_tiles) read_pages(tile + 2); /* used by the next iteration's copies */
       pd_cp_async_wait<1>();
     } else {
       pd_cp_async_wait<0>();
