@@ -615,6 +615,13 @@ static void test_attention(void) {
         run_attn(&c);
       }
     }
+  /* pages of a size that is not a power of two (the kernels divide instead of shifting), tiles
+   * of 64 keys that start inside a page */
+  for (int l = 0; l < 3; l++) {
+    attn_case c = {"decode pages of 12", S, n_new, ctx, layouts[l][0], layouts[l][1],
+                   layouts[l][2], 12, l == 1 ? PD_DTYPE_F16 : PD_DTYPE_BF16, 0, tol_tc};
+    run_attn(&c);
+  }
   /* many short decodes (no split) */
   S = g_small ? 40 : 200;
   for (int s = 0; s < S; s++) {
