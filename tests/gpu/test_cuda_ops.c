@@ -616,10 +616,14 @@ static void test_attention(void) {
       }
     }
   /* pages of a size that is not a power of two (the kernels divide instead of shifting), tiles
-   * of 64 keys that start inside a page */
-  for (int l = 0; l < 3; l++) {
-    attn_case c = {"decode pages of 12", S, n_new, ctx, layouts[l][0], layouts[l][1],
-                   layouts[l][2], 12, l == 1 ? PD_DTYPE_F16 : PD_DTYPE_BF16, 0, tol_tc};
+   * of 64 keys that start inside a page: three layouts on the tensor-core kernel, an f32 cache
+   * and a 20-head group on the SIMT kernel */
+  for (int l = 0; l < 5; l++) {
+    static const int pl[] = {0, 1, 2, 0, 5};
+    const int L = pl[l];
+    const pd_dtype dt = l == 1 ? PD_DTYPE_F16 : l == 3 ? PD_DTYPE_F32 : PD_DTYPE_BF16;
+    attn_case c = {"decode pages of 12", S, n_new, ctx, layouts[L][0], layouts[L][1],
+                   layouts[L][2], 12, dt, 0, l >= 3 ? tol_f32 : tol_tc};
     run_attn(&c);
   }
   /* many short decodes (no split) */
