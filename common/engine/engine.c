@@ -656,13 +656,11 @@ static bool forward_graph(pd_engine *g, const pd_batch *b) {
   return true;
 }
 
-pd_status pd_engine_forward(pd_engine *g, const pd_batch *b, float *logits, pd_err *e) {
+pd_status pd_engine_submit(pd_engine *g, const pd_batch *b, pd_err *e) {
   const double t0 = now_s();
   pd_status st = validate(g, b, e);
   if (st == PD_OK) st = validate_sampling(g, b, e);
   if (st != PD_OK) return st;
-  pd_backend *be = g->be;
-
   bool done = false;
   if (g->use_graphs && b->n_tokens == b->n_seqs) done = forward_graph(g, b);
   if (!done) {
@@ -672,6 +670,14 @@ pd_status pd_engine_forward(pd_engine *g, const pd_batch *b, float *logits, pd_e
       if (b->ctx_len[s] > max_ctx) max_ctx = b->ctx_len[s];
     run_model(g, b->n_tokens, b->n_seqs, b->max_blocks, max_ctx, b->n_logits);
   }
+  g->forward_s += now_s() - t0;
+  return PD_OK;
+}
+
+pd_status pd_engine_finish(pd_engine *g, const pd_batch *b, float *logits, pd_err *e) {
+  (void)e;
+  const double t0 = now_s();
+  pd_backend *be = g->be;
   const int n_host = b->n_logits - b->n_sample;
   if (b->n_sample > 0) {
     for (int i = 0; i < b->n_sample; i++) b->sample[i].row = n_host + i;
@@ -683,6 +689,11 @@ pd_status pd_engine_forward(pd_engine *g, const pd_batch *b, float *logits, pd_e
   be->ops.sync(be);
   g->forward_s += now_s() - t0;
   return PD_OK;
+}
+
+pd_status pd_engine_forward(pd_engine *g, const pd_batch *b, float *logits, pd_err *e) {
+  pd_status st = pd_engine_submit(g, b, e);
+  return st != PD_OK ? st : pd_engine_finish(g, b, logits, e);
 }
 
 pd_status pd_engine_copy_blocks(pd_engine *g, const int32_t *src, const int32_t *dst, int n,

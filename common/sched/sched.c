@@ -69,7 +69,10 @@ struct pd_sched {
   pd_dev_sample_edit *edits;
   int32_t edits_cap;
   pd_sched_stats st;
-  bool in_step;
+  bool in_step;   /* between the start and the end of a step: aborts are deferred */
+  bool in_flight; /* a step's forward pass was submitted and not yet finished */
+  pd_batch batch; /* that step's batch (arrays above) */
+  int n_sched;    /* that step's sequences: sched[0 .. n_sched) */
 };
 
 /* ---- small containers ---- */
@@ -662,13 +665,11 @@ static pd_status add_dev_spec(pd_sched *s, sseq *q, int idx, int32_t *n_edits, p
   }
 }
 
-static pd_status step(pd_sched *s, pd_err *e);
+static pd_status step_begin(pd_sched *s, bool *started, pd_err *e);
+static pd_status step_end(pd_sched *s, pd_err *e);
 
-pd_status pd_sched_step(pd_sched *s, pd_err *e) {
-  if (!pd_sched_has_work(s)) return PD_OK;
-  s->in_step = true;
-  pd_status st = step(s, e);
-  s->in_step = false;
+/* Drops the requests aborted while a step held pointers to their sequences. */
+static void drop_aborted(pd_sched *s) {
   for (int i = 0; i < s->n_reqs;) {
     if (s->reqs[i]->aborted) {
       drop_req(s, s->reqs[i]);
@@ -676,10 +677,42 @@ pd_status pd_sched_step(pd_sched *s, pd_err *e) {
       i++;
     }
   }
+}
+
+pd_status pd_sched_step_begin(pd_sched *s, bool *started, pd_err *e) {
+  *started = false;
+  PD_ASSERT(!s->in_flight && "pd_sched_step_begin: the previous step has not ended");
+  if (!pd_sched_has_work(s)) return PD_OK;
+  s->in_step = true;
+  pd_status st = step_begin(s, started, e);
+  if (st == PD_OK && *started) {
+    s->in_flight = true;
+    return PD_OK;
+  }
+  *started = false;
+  s->in_step = false;
+  drop_aborted(s);
   return st;
 }
 
-static pd_status step(pd_sched *s, pd_err *e) {
+pd_status pd_sched_step_end(pd_sched *s, pd_err *e) {
+  PD_ASSERT(s->in_flight && "pd_sched_step_end: no step was begun");
+  s->in_flight = false;
+  pd_status st = step_end(s, e);
+  s->in_step = false;
+  drop_aborted(s);
+  return st;
+}
+
+bool pd_sched_step_in_flight(const pd_sched *s) { return s->in_flight; }
+
+pd_status pd_sched_step(pd_sched *s, pd_err *e) {
+  bool started;
+  pd_status st = pd_sched_step_begin(s, &started, e);
+  return st != PD_OK || !started ? st : pd_sched_step_end(s, e);
+}
+
+static pd_status step_begin(pd_sched *s, bool *started, pd_err *e) {
   int ns = 0, nt = 0;
   pd_status st = schedule(s, &ns, &nt, e);
   if (st != PD_OK) return st;
@@ -763,15 +796,26 @@ static pd_status step(pd_sched *s, pd_err *e) {
     if (st != PD_OK) return st;
     n_dev++;
   }
-  pd_batch b = {.n_tokens = nt, .tokens = s->tokens, .positions = s->pos, .slots = s->slots,
-                .n_seqs = ns, .q_start = s->qstart, .ctx_len = s->ctx, .block_tables = s->bt,
-                .max_blocks = mb, .n_logits = n_rows + n_dev, .logit_rows = s->rows,
-                .n_sample = n_dev, .sample = s->specs, .edits = s->edits, .n_edits = n_edits,
-                .sample_out = s->outs};
-  st = pd_engine_forward(s->eng, &b, s->logits, e);
+  s->batch = (pd_batch){.n_tokens = nt, .tokens = s->tokens, .positions = s->pos,
+                        .slots = s->slots, .n_seqs = ns, .q_start = s->qstart,
+                        .ctx_len = s->ctx, .block_tables = s->bt, .max_blocks = mb,
+                        .n_logits = n_rows + n_dev, .logit_rows = s->rows, .n_sample = n_dev,
+                        .sample = s->specs, .edits = s->edits, .n_edits = n_edits,
+                        .sample_out = s->outs};
+  s->n_sched = ns;
+  st = pd_engine_submit(s->eng, &s->batch, e);
+  if (st != PD_OK) return st;
+  *started = true;
+  return PD_OK;
+}
+
+/* The second half of a step: waits for its forward pass, then commits and emits. */
+static pd_status step_end(pd_sched *s, pd_err *e) {
+  const int ns = s->n_sched;
+  pd_status st = pd_engine_finish(s->eng, &s->batch, s->logits, e);
   if (st != PD_OK) return st;
   s->st.steps++;
-  s->st.batched_tokens += (uint64_t)nt;
+  s->st.batched_tokens += (uint64_t)s->batch.n_tokens;
 
   /* commit, then sample. Forks happen before their parent's token is appended. */
   for (int j = 0; j < ns; j++) {

@@ -342,5 +342,49 @@ int main(void) {
     check_no_leak(&rt);
     pd_runtime_close(&rt);
   }
+
+  /* 9. steps in two halves (pd_sched_step_begin / _end, as the decode node runs them): requests
+   * added and aborted while a step is in flight; the others' outputs are the ones alone */
+  {
+    open_rt(&rt, &c, 64 * 1024, 512, true);
+    enum { H = N < 12 ? N : 12 };
+    for (int i = 0; i < H / 2; i++) {
+      pd_sampling_params p = greedy(GEN);
+      REQUIRE(pd_sched_add(rt.sched, (uint64_t)i, prompt_of(i), prompt_len(i), &p, &e) == PD_OK);
+    }
+    int next = H / 2, guard = 0;
+    bool aborted_running = false, aborted_waiting = false;
+    while (pd_sched_has_work(rt.sched) || pd_sched_step_in_flight(rt.sched)) {
+      bool started = false;
+      REQUIRE(pd_sched_step_begin(rt.sched, &started, &e) == PD_OK);
+      CHECK(pd_sched_step_in_flight(rt.sched) == started);
+      /* the host's own work while the step runs */
+      if (next < H) {
+        pd_sampling_params p = greedy(GEN);
+        REQUIRE(pd_sched_add(rt.sched, (uint64_t)next, prompt_of(next), prompt_len(next), &p,
+                             &e) == PD_OK);
+        next++;
+      }
+      if (!aborted_running && c.o[1].n[0] >= 2) { /* decoding, in this very step */
+        CHECK(pd_sched_abort(rt.sched, 1) == PD_OK);
+        CHECK(pd_sched_abort(rt.sched, 1) == PD_ENOTFOUND); /* once */
+        aborted_running = true;
+      }
+      if (!aborted_waiting && next == H) { /* just added: still waiting */
+        CHECK(pd_sched_abort(rt.sched, (uint64_t)H - 1) == PD_OK);
+        aborted_waiting = true;
+      }
+      if (started) REQUIRE(pd_sched_step_end(rt.sched, &e) == PD_OK);
+      CHECK(!pd_sched_step_in_flight(rt.sched));
+      REQUIRE(++guard < 10000);
+    }
+    CHECK(aborted_running && aborted_waiting);
+    CHECK(c.o[1].n[0] >= 2 && c.o[1].n[0] < GEN);
+    CHECK(c.o[H - 1].n[0] == 0);
+    for (int i = 0; i < H - 1; i++)
+      if (i != 1) compare_greedy(&alone[i], &c.o[i], i, "two-half steps");
+    check_no_leak(&rt);
+    pd_runtime_close(&rt);
+  }
   return pd_test_finish("test_sched");
 }

@@ -89,6 +89,15 @@ double pd_engine_forward_seconds(const pd_engine *eng);
  * positions consistent) and rejected with PD_EINVAL before anything runs. */
 pd_status pd_engine_forward(pd_engine *eng, const pd_batch *b, float *logits, pd_err *e);
 
+/* pd_engine_forward in two halves, for callers that work on the host while the device computes:
+ * submit validates the batch and queues the model on the backend (on devices it returns before
+ * the model has run; host backends run it here); finish samples (the batch's device-sampled
+ * rows), copies the host rows' logits and waits for the device. The batch and every array it
+ * points to must stay unchanged from submit to finish, and nothing else may run on the engine
+ * between the two. */
+pd_status pd_engine_submit(pd_engine *eng, const pd_batch *b, pd_err *e);
+pd_status pd_engine_finish(pd_engine *eng, const pd_batch *b, float *logits, pd_err *e);
+
 /* The paged KV storage of one layer (backend memory) and its shape, e.g. to pack pages for
  * a transfer. */
 pd_status pd_engine_kv(const pd_engine *eng, int layer, pd_kv_layer *kv, pd_kv_shape *shape,

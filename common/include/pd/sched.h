@@ -119,6 +119,17 @@ pd_status pd_sched_abort(pd_sched *s, uint64_t id);
  * nothing done when there is no work. */
 pd_status pd_sched_step(pd_sched *s, pd_err *e);
 
+/* pd_sched_step in two halves, so that the caller's own host work (sending the last step's
+ * tokens, reading its sockets) runs while the device computes the next step: begin schedules
+ * the step and submits its forward pass (*started = false when nothing was run: no work, an
+ * error, or nothing schedulable); end waits for it, commits and reports through on_event.
+ * Between the two only pd_sched_add, pd_sched_add_req, pd_sched_reserve, pd_sched_activate,
+ * pd_sched_abort (deferred to the end of the step), pd_sched_has_work, pd_sched_get_stats and
+ * pd_sched_step_in_flight may be called; a begun step must be ended before pd_sched_free. */
+pd_status pd_sched_step_begin(pd_sched *s, bool *started, pd_err *e);
+pd_status pd_sched_step_end(pd_sched *s, pd_err *e);
+bool pd_sched_step_in_flight(const pd_sched *s);
+
 bool pd_sched_has_work(const pd_sched *s);
 void pd_sched_get_stats(const pd_sched *s, pd_sched_stats *out);
 
