@@ -585,6 +585,17 @@ static void fail_active(const char *why) {
   }
 }
 
+/* Ends the step in flight (begun at t0): waits for the device, reports its tokens. */
+static void end_step(pd_node *n, int64_t t0) {
+  pd_err e = {0};
+  if (pd_sched_step_end(n->rt.sched, &e) != PD_OK) {
+    pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
+    fail_active(e.msg);
+  }
+  pd_metric_observe(n->m_step_seconds, (double)(pd_now_ms() - t0) / 1000.0);
+  pd_node_update_metrics(n); /* O(1): scrapes see every step */
+}
+
 int main(int argc, char **argv) {
   pd_node_opts o;
   int rc = pd_node_opts_parse(&o, PD__ROLE__ROLE_DECODE, argc, argv);
@@ -656,24 +667,42 @@ int main(int argc, char **argv) {
          n->node_id, n->model_name, n->pages.num_blocks, n->pages.block_size, n->kv_endpoint,
          o.router_ep, pd_statsd_port(n->statsd));
 
-  int64_t next_metrics = 0;
+  /* A step is begun (scheduled, its forward pass queued on the device), the sockets are read
+   * while the device computes (requests, aborts, KV pages), and the step is ended (waited for,
+   * its tokens sent) on the next turn of the loop, before the next one is begun.
+   * PD_DECODE_OVERLAP=0 runs each step whole before reading the sockets (a measurement
+   * switch). */
+  const char *ov = getenv("PD_DECODE_OVERLAP");
+  const bool overlap = !(ov && !strcmp(ov, "0"));
+  pd_sched *sched = n->rt.sched;
+  int64_t next_metrics = 0, step_t0 = 0;
   while (!pd_node_stop_flag) {
     int64_t wait = pd_node_tick(n);
-    if (pd_sched_has_work(n->rt.sched)) wait = 0;
+    if (pd_sched_has_work(sched) || pd_sched_step_in_flight(sched)) wait = 0;
     if (wait > 50) wait = 50;
     zmq_pollitem_t items[2] = {{n->router_sock, 0, ZMQ_POLLIN, 0}, {g.kv_sock, 0, ZMQ_POLLIN, 0}};
     zmq_poll(items, 2, (long)wait);
     pd_node_drain_router(n);
     kv_drain();
     sweep_reservations();
-    if (pd_sched_has_work(n->rt.sched)) {
-      int64_t t0 = pd_now_ms();
-      if (pd_sched_step(n->rt.sched, &e) != PD_OK) {
+    bool acted = false;
+    if (pd_sched_step_in_flight(sched)) {
+      end_step(n, step_t0);
+      flush_all(); /* its tokens go out before the next step is begun */
+      pd_outbox_flush(&n->router);
+      acted = true;
+    }
+    if (pd_sched_has_work(sched)) {
+      bool started = false;
+      step_t0 = pd_now_ms();
+      if (pd_sched_step_begin(sched, &started, &e) != PD_OK) {
         pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
         fail_active(e.msg);
       }
-      pd_metric_observe(n->m_step_seconds, (double)(pd_now_ms() - t0) / 1000.0);
-      pd_node_update_metrics(n); /* O(1): scrapes see every step */
+      if (started && !overlap) end_step(n, step_t0);
+      acted = true;
+    }
+    if (acted) { /* (the failures of a step that could not begin, or a whole step's tokens) */
       flush_all();
       pd_outbox_flush(&n->router);
     }
@@ -681,6 +710,11 @@ int main(int argc, char **argv) {
       pd_node_update_metrics(n);
       next_metrics = pd_now_ms() + 250;
     }
+  }
+  if (pd_sched_step_in_flight(sched)) {
+    end_step(n, step_t0);
+    flush_all();
+    pd_outbox_flush(&n->router);
   }
   pd_log(PD_LOG_INFO, "shutting down");
   pd_node_deregister(n, "shutdown", 500);
