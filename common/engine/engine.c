@@ -477,7 +477,7 @@ static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int
     const pd_mm_fused gu = {.y = g->act, .x = g->x, .w = L->wgu, .wdt = W->w_gate.dtype,
                             .bias = L->bgu, .M = M, .N = 2 * F, .K = D, .norm_w = L->ffn_norm,
                             .eps = eps, .xn = g->xn, .epilogue = PD_MM_GLU, .gu = g->gu,
-                            .xg = g->xg};
+                            .y_scratch = true, .xg = g->xg};
     be->ops.matmul_fused(be, &gu);
     const pd_mm_fused down = {
         .y = g->x, .x = g->act, .w = L->wdown, .wdt = W->w_down.dtype, .bias = L->bdown,

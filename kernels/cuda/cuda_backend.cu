@@ -247,6 +247,7 @@ static void matmul_impl(cuda_impl *c, float *y, const float *x, const void *w, p
                         CUDA_R_32F, K, &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F_FAST_TF32,
                         CUBLAS_GEMM_DEFAULT));
   } else {
+    c->h16_valid = false; /* xconv is rewritten */
     grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
     pd_cuda_convert(c->st, c->xconv, wdt, x, (size_t)M * K);
     CK_LAUNCH(c, "convert x");
@@ -387,8 +388,18 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
   const bool ho_in = c->ho_valid && p->norm_w && p->xg && c->ho_xg == p->xg &&
                      c->ho_g == p->norm_w && c->ho_y == p->x && c->ho_M == M && c->ho_N == K;
   c->ho_valid = false;
+  /* the 16-bit GLU product the previous call left instead of writing its y, if x is that y */
+  bool h16_in = c->h16_valid && c->h16_y == p->x && c->h16_M == M && c->h16_K == K;
+  c->h16_valid = false;
   if (M == 0 || N == 0) return;
   use_device(c);
+  const bool w16 = p->wdt != PD_DTYPE_F32 && K > 0 && M > gemv_max_m();
+  if (h16_in && !(w16 && p->wdt == c->h16_dt && !p->norm_w)) {
+    /* not taken as the GEMM operand as it is: y is written from it, then read as any x */
+    pd_cuda_widen(c->st, const_cast<float *>(p->x), c->xconv, c->h16_dt, (size_t)M * K);
+    CK_LAUNCH(c, "widen (16-bit hand-off)");
+    h16_in = false;
+  }
   /* PD_CUDA_FUSE_NORM=0: no hand-off, every norm a kernel of its own (a measurement switch) */
   static int fuse_norm = -1;
   if (fuse_norm < 0) {
@@ -447,10 +458,24 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
   /* Larger M. With 16-bit weights the GEMM operand is made once in 16 bits (the norm writes it
    * directly), and the GLU's gate/up product stays 16-bit (cuBLAS writes bf16/f16 into gu, the
    * SwiGLU kernel reads it): half the traffic of f32 intermediates. */
-  const bool w16 = p->wdt != PD_DTYPE_F32 && K > 0 && M > gemv_max_m();
   const float *x = p->x;
-  const void *x16 = NULL;
-  if (p->norm_w && w16 && pd_cuda_rmsnorm16_ok(p->x, p->norm_w, K)) {
+  const void *x16 = h16_in ? c->xconv : NULL;
+  /* PD_MM_GLU with y_scratch and 16-bit weights: the SwiGLU writes the next GEMM's operand
+   * (into xconv, after this product has read it) instead of y: a quarter of the traffic of f32
+   * out and a conversion (PD_CUDA_GLU_HANDOFF=0 turns it off: a measurement switch) */
+  static int glu_ho = -1;
+  if (glu_ho < 0) {
+    const char *ev = getenv("PD_CUDA_GLU_HANDOFF");
+    glu_ho = !(ev && !strcmp(ev, "0"));
+  }
+  const bool h16_out = glu_ho && p->epilogue == PD_MM_GLU && p->y_scratch && w16 && !x16;
+  if (h16_out) {
+    const size_t cols = (size_t)(K > N / 2 ? K : N / 2);
+    grow(c, &c->xconv, &c->xconv_size, (size_t)M * cols * 2);
+  }
+  if (x16) {
+    /* the hand-off is the operand */
+  } else if (p->norm_w && w16 && pd_cuda_rmsnorm16_ok(p->x, p->norm_w, K)) {
     grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
     pd_cuda_rmsnorm16(c->st, c->xconv, p->wdt, p->x, p->norm_w, p->eps, M, K);
     CK_LAUNCH(c, "rmsnorm (16-bit out)");
@@ -469,7 +494,16 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
   const cudaDataType_t t16 = p->wdt == PD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
   switch (p->epilogue) {
   case PD_MM_GLU:
-    if (x16) {
+    if (x16 && h16_out) {
+      gemm16(c, p->gu, t16, x16, p->w, p->wdt, M, N, K, 0.0f);
+      pd_cuda_swiglu16_to16(c->st, c->xconv, p->gu, p->wdt, p->bias, M, N / 2);
+      CK_LAUNCH(c, "swiglu (16-bit in and out)");
+      c->h16_valid = true;
+      c->h16_y = p->y;
+      c->h16_M = M;
+      c->h16_K = N / 2;
+      c->h16_dt = p->wdt;
+    } else if (x16) {
       gemm16(c, p->gu, t16, x16, p->w, p->wdt, M, N, K, 0.0f);
       pd_cuda_swiglu16(c->st, p->y, p->gu, p->wdt, p->bias, M, N / 2);
       CK_LAUNCH(c, "swiglu (16-bit in)");

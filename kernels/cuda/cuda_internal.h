@@ -140,6 +140,11 @@ void pd_cuda_rmsnorm16(cudaStream_t st, void *y, pd_dtype dt, const float *x, co
  * bias may be NULL. */
 void pd_cuda_swiglu16(cudaStream_t st, float *y, const void *gu, pd_dtype dt, const float *bias,
                       int M, int F);
+/* The same with y [M, F] in dt (the next GEMM's 16-bit operand, rounded to nearest even). */
+void pd_cuda_swiglu16_to16(cudaStream_t st, void *y, const void *gu, pd_dtype dt,
+                           const float *bias, int M, int F);
+/* dst[n] = src[n] (dt BF16 or F16) widened to f32. */
+void pd_cuda_widen(cudaStream_t st, float *dst, const void *src, pd_dtype dt, size_t n);
 
 /* GEMV: y[M,N] = x[M,K] W[N,K]^T (+bias) for 1 <= M <= PD_CUDA_GEMV_MAX_M. */
 #define PD_CUDA_GEMV_MAX_M 8

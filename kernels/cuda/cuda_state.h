@@ -44,6 +44,11 @@ struct cuda_impl {
   bool ho_valid;
   const float *ho_y, *ho_xg, *ho_g;
   int ho_M, ho_N, ho_parts;
+  /* the 16-bit hand-off of a GLU product (pd_mm_fused.y_scratch): xconv holds y [M, K] in dt */
+  bool h16_valid;
+  const float *h16_y;
+  int h16_M, h16_K;
+  pd_dtype h16_dt;
   /* KV staging (cuda_kvstage.cu) */
   void *stage_dev;
   size_t stage_dev_size;

@@ -926,6 +926,75 @@ static void test_mm_handoff(void) {
       }
 }
 
+/* The 16-bit hand-off of a GLU product (pd_mm_fused.y_scratch): a GLU matmul then a residual
+ * matmul reading its y, against the same pair without the hint; the consumer with the GLU's
+ * 16-bit weights (the operand taken as it is), with f32 weights (y written from it first, then
+ * read: y itself is checked too), and M = 1 (the GEMV path: no hand-off made). */
+static void test_mm_glu_handoff(void) {
+  static const int Ms[3] = {1, 5, 64};
+  for (int mi = 0; mi < 3; mi++)
+    for (int d = 0; d < 3; d++)
+      for (int cons = 0; cons < 2; cons++) { /* consumer weights: 0 the GLU's dtype, 1 f32 */
+        const int M = Ms[mi], D = 1024, F = 1500;
+        const pd_dtype wdt = k_dts[d], cdt = cons ? PD_DTYPE_F32 : wdt;
+        void *wgu = rand_dt(wdt, (size_t)2 * F * D, -0.05f, 0.05f);
+        void *wd = rand_dt(cdt, (size_t)D * F, -0.05f, 0.05f);
+        float *x0 = rand_f32((size_t)M * D, -2, 2), *g = rand_f32((size_t)D, 0.5f, 1.5f);
+        void *dwgu = up(wgu, (size_t)2 * F * D * pd_dtype_size(wdt));
+        void *dwd = up(wd, (size_t)D * F * pd_dtype_size(cdt));
+        float *dg = up(g, (size_t)D * 4);
+        float *dx[2], *dact[2];
+        float *dxn = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
+        float *dgu = g_gpu->ops.alloc(g_gpu, (size_t)M * 2 * F * 4);
+        for (int h = 0; h < 2; h++) { /* h = 1: with the hint */
+          dx[h] = up(x0, (size_t)M * D * 4);
+          dact[h] = g_gpu->ops.alloc(g_gpu, (size_t)M * F * 4);
+          const pd_mm_fused glu = {.y = dact[h], .x = dx[h], .w = dwgu, .wdt = wdt, .M = M,
+                                   .N = 2 * F, .K = D, .norm_w = dg, .eps = 1e-6f, .xn = dxn,
+                                   .epilogue = PD_MM_GLU, .gu = dgu, .y_scratch = h == 1};
+          g_gpu->ops.matmul_fused(g_gpu, &glu);
+          const pd_mm_fused dn = {.y = dx[h], .x = dact[h], .w = dwd, .wdt = cdt, .M = M,
+                                  .N = D, .K = F, .epilogue = PD_MM_ACCUMULATE};
+          g_gpu->ops.matmul_fused(g_gpu, &dn);
+        }
+        float *x1 = down(dx[0], (size_t)M * D * 4), *x2 = down(dx[1], (size_t)M * D * 4);
+        /* the residual moves by the product: compare the products */
+        for (size_t i = 0; i < (size_t)M * D; i++) {
+          x1[i] -= x0[i];
+          x2[i] -= x0[i];
+        }
+        const double ex = rel_err(x2, x1, (size_t)M * D);
+        /* taken as it is, the operand is the one the conversion of y makes (same rounding);
+         * written back to f32 first, it is y rounded to 16 bits */
+        const bool f32_consumer = cons && wdt != PD_DTYPE_F32 && M > 2;
+        const double tol = f32_consumer ? 1.5e-2 : 1e-6;
+        CHECKF(ex < tol, "GLU hand-off M=%d %s consumer %s: %.3g", M, dtn(wdt), dtn(cdt), ex);
+        if (cons) {
+          float *a1 = down(dact[0], (size_t)M * F * 4), *a2 = down(dact[1], (size_t)M * F * 4);
+          const double ea = rel_err(a2, a1, (size_t)M * F);
+          CHECKF(ea < (f32_consumer ? 8e-3 : 1e-6), "GLU hand-off M=%d %s: y written %.3g", M,
+                 dtn(wdt), ea);
+          free(a1);
+          free(a2);
+        }
+        free(wgu);
+        free(wd);
+        free(x0);
+        free(g);
+        free(x1);
+        free(x2);
+        gfree(dwgu);
+        gfree(dwd);
+        gfree(dg);
+        gfree(dxn);
+        gfree(dgu);
+        for (int h = 0; h < 2; h++) {
+          gfree(dx[h]);
+          gfree(dact[h]);
+        }
+      }
+}
+
 int main(int argc, char **argv) {
   g_small = argc > 1 && strcmp(argv[1], "small") == 0;
   int ndev = pd_cuda_device_count();
@@ -962,6 +1031,7 @@ int main(int argc, char **argv) {
   test_fused();
   test_mm_fused();
   test_mm_handoff();
+  test_mm_glu_handoff();
 
   g_gpu->ops.sync(g_gpu);
   CHECKF(pd_backend_cuda_status(g_gpu, &e) == PD_OK, "backend status: %s", e.msg);

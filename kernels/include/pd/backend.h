@@ -118,7 +118,11 @@ typedef struct pd_dev_sample_out {
  *    an op with norm_next != NULL and xg != NULL (PD_MM_STORE / PD_MM_ACCUMULATE) may also leave
  *    y * norm_next in xg [M, N], with what it needs to finish the norm; the next matmul_fused,
  *    if its x is that y, its norm_w that norm_next and its xg that xg, may then start from xg
- *    instead of normalising x. Nothing may change y or xg between the two calls. */
+ *    instead of normalising x. Nothing may change y or xg between the two calls.
+ *  - y_scratch (a hint for PD_MM_GLU): y is read by nothing but the next matmul_fused, as its x.
+ *    The op may then hand its product over in a form of its own (the CUDA backend: the 16-bit
+ *    GEMM operand of the next product, at sizes it runs through cuBLAS) and leave y unwritten;
+ *    the next call, whose x is y, reads that form, or writes y from it first. */
 typedef enum { PD_MM_STORE, PD_MM_ACCUMULATE, PD_MM_GLU, PD_MM_ROPE_KV } pd_mm_epilogue;
 typedef struct pd_mm_fused {
   float *y;
@@ -132,6 +136,7 @@ typedef struct pd_mm_fused {
   float *xn;
   pd_mm_epilogue epilogue;
   float *gu;
+  bool y_scratch;
   const float *norm_next;
   float *xg;
   /* PD_MM_ROPE_KV */
