@@ -1,13 +1,14 @@
 /* Paged causal attention for prefill and mixed batches, FlashAttention-2 style on bf16 tensor
  * cores (mma.sync m16n8k16, f32 accumulate).
  *
- * Work unit: one tile of BM = 64 rows of one sequence and one KV head, a row being a (new token,
+ * Work unit: one tile of BM rows of one sequence and one KV head, a row being a (new token,
  * query head of the group) pair, pair p = token * group + head: GQA heads share the K/V tiles
  * that way. Tiles are numbered over the batch by a prefix sum of ceil(n_new * group / BM) (a
  * one-block scan kernel), and each block finds its sequence by binary search, so the host needs
  * no per-sequence metadata. grid = (tile bound, KV heads, splits).
  *
- * Per block, 4 warps of 16 rows: Q is staged through shared memory into bf16 A fragments held in
+ * BM = 64 (4 warps) or, for head dim 128 and batches of long chunks, 128 (8 warps: every K/V
+ * tile staged serves twice the rows). Per block, warps of 16 rows: Q is staged through shared memory into bf16 A fragments held in
  * registers; then for each tile of BN = 64 keys in the row range's causal / sliding-window span
  * (and in this block's split of it), K and V rows are fetched through the block table into
  * shared memory (bf16 caches: cp.async 16-byte copies, double-buffered so that the next tile is
@@ -22,9 +23,7 @@
 
 namespace {
 
-constexpr int BM = PD_CUDA_ATTN_BM;
 constexpr int BN = 64;
-constexpr int kThreads = 128;
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return pd_tc<__nv_bfloat16>::pack(lo, hi);
@@ -64,7 +63,8 @@ __device__ __forceinline__ void zero16(__nv_bfloat16 *dst, int bytes_out) {
 
 /* tile_start[s] = sum over s' < s of ceil(n_new(s') * group / BM); tile_start[n_seqs] = total. */
 __global__ void __launch_bounds__(1024)
-tile_scan_kernel(int32_t *tile_start, const int32_t *__restrict__ q_start, int n_seqs, int group) {
+tile_scan_kernel(int32_t *tile_start, const int32_t *__restrict__ q_start, int n_seqs, int group,
+                 int BM) {
   using Scan = cub::BlockScan<int, 1024>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int carry;
@@ -83,10 +83,11 @@ tile_scan_kernel(int32_t *tile_start, const int32_t *__restrict__ q_start, int n
   if (threadIdx.x == 0) tile_start[n_seqs] = carry;
 }
 
-/* Registers budgeted for 2 blocks per SM (up to 255 each; 234 used at head dim 128). Budgeting
- * for 3 (168, which spills a little at head dim 128) measured 1-6% slower on the H200. */
-template <int HD, typename KT>
-__global__ void __launch_bounds__(kThreads, 2) attn_prefill_kernel(pd_cuda_attn a) {
+/* Registers budgeted for 8 warps per SM (up to 255 each; 234 used at head dim 128). Budgeting
+ * for 12 (168, which spills a little at head dim 128) measured 1-6% slower on the H200. */
+template <int HD, typename KT, int BM>
+__global__ void __launch_bounds__(BM * 2, 128 / BM) attn_prefill_kernel(pd_cuda_attn a) {
+  constexpr int kThreads = BM * 2; /* a warp per 16 rows */
   constexpr int KS = HD / 16; /* k-steps of Q K^T */
   constexpr int NT = BN / 8;  /* 8-key column tiles of S */
   constexpr int DT = HD / 8;  /* 8-dim column tiles of O */
@@ -362,33 +363,57 @@ __global__ void __launch_bounds__(kThreads, 2) attn_prefill_kernel(pd_cuda_attn 
   }
 }
 
-template <int HD, typename KT> void prefill_launch(cudaStream_t st, const pd_cuda_attn *a,
-                                                   dim3 grid) {
+template <int HD, typename KT, int BM>
+void prefill_launch(cudaStream_t st, const pd_cuda_attn *a, dim3 grid) {
   const size_t smem = pf_smem<HD, KT>::BYTES;
-  if (smem > 48 * 1024) pd_cuda_smem_optin((const void *)attn_prefill_kernel<HD, KT>, smem);
-  attn_prefill_kernel<HD, KT><<<grid, kThreads, smem, st>>>(*a);
+  static_assert(BM * (HD + 8) <= 2 * BN * (HD + 8), "Q is staged in one K/V stage");
+  if (smem > 48 * 1024) pd_cuda_smem_optin((const void *)attn_prefill_kernel<HD, KT, BM>, smem);
+  attn_prefill_kernel<HD, KT, BM><<<grid, BM * 2, smem, st>>>(*a);
 }
 
-template <int HD>
+template <int HD, int BM>
 void prefill_hd(cudaStream_t st, const pd_cuda_attn *a, dim3 grid) {
   if (a->kv_dtype == PD_DTYPE_BF16)
-    prefill_launch<HD, __nv_bfloat16>(st, a, grid);
+    prefill_launch<HD, __nv_bfloat16, BM>(st, a, grid);
   else if (a->kv_dtype == PD_DTYPE_F16)
-    prefill_launch<HD, __half>(st, a, grid);
+    prefill_launch<HD, __half, BM>(st, a, grid);
   else
-    prefill_launch<HD, float>(st, a, grid);
+    prefill_launch<HD, float, BM>(st, a, grid);
 }
 
 } // namespace
 
+int pd_cuda_attn_prefill_bm(int head_dim, int n_tokens, int n_seqs, int group, int max_ctx) {
+  /* PD_CUDA_PREFILL_BM=64 | 128 forces one (a measurement switch; 128 only at head dim 128) */
+  static int forced = -1;
+  if (forced < 0) {
+    const char *ev = getenv("PD_CUDA_PREFILL_BM");
+    forced = ev && (atoi(ev) == 64 || atoi(ev) == 128) ? atoi(ev) : 0;
+  }
+  if (head_dim != 128) return 64;
+  if (forced) return forced;
+  /* 128-row tiles waste more rows at the ends of short chunks (speculative verification, mixed
+   * decode rows) and on the causal diagonal: taken when the sequences bring 128 rows or more
+   * each on average over contexts of 2048 or more (H200, 32/8 heads, bf16 cache: 2048 new
+   * tokens over 8192 223 -> 231 TFLOP/s, 4 x 512 over 4096 218 -> 228, but 4 x 1024 over 1024
+   * 135 -> 128) */
+  return (long long)n_tokens * group >= 128LL * n_seqs && max_ctx >= 2048 ? 128 : 64;
+}
+
 void pd_cuda_attn_prefill(cudaStream_t st, const pd_cuda_attn *a) {
-  tile_scan_kernel<<<1, 1024, 0, st>>>(a->tile_start, a->q_start, a->n_seqs, a->group);
+  const int bm = a->bm == 128 && a->head_dim == 128 ? 128 : 64;
+  tile_scan_kernel<<<1, 1024, 0, st>>>(a->tile_start, a->q_start, a->n_seqs, a->group, bm);
   /* sum_s ceil(n_s * group / BM) <= n_tokens * group / BM + n_seqs */
-  const long long bound = (long long)a->n_tokens * a->group / BM + a->n_seqs + 1;
+  const long long bound = (long long)a->n_tokens * a->group / bm + a->n_seqs + 1;
   dim3 grid((unsigned)bound, (unsigned)a->n_kv_heads, (unsigned)a->n_splits);
   switch (a->head_dim) {
-  case 64: prefill_hd<64>(st, a, grid); break;
-  case 80: prefill_hd<80>(st, a, grid); break;
-  default: prefill_hd<128>(st, a, grid); break;
+  case 64: prefill_hd<64, 64>(st, a, grid); break;
+  case 80: prefill_hd<80, 64>(st, a, grid); break;
+  default:
+    if (bm == 128)
+      prefill_hd<128, 128>(st, a, grid);
+    else
+      prefill_hd<128, 64>(st, a, grid);
+    break;
   }
 }

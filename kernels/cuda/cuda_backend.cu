@@ -662,9 +662,9 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       CK_LAUNCH(c, "attention (decode)");
     }
   } else {
+    a.bm = pd_cuda_attn_prefill_bm(a.head_dim, a.n_tokens, a.n_seqs, a.group, a.max_ctx_len);
     int span = a.max_ctx_len;
-    if (a.window > 0 && (long long)a.window + PD_CUDA_ATTN_BM < span)
-      span = a.window + PD_CUDA_ATTN_BM;
+    if (a.window > 0 && (long long)a.window + a.bm < span) span = a.window + a.bm;
     if (a.n_seqs + 1 > c->tiles_cap) {
       void *p = c->tiles;
       size_t sz = (size_t)c->tiles_cap * sizeof(int32_t);
@@ -673,8 +673,9 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       c->tiles_cap = (int)(sz / sizeof(int32_t));
     }
     a.tile_start = c->tiles;
-    long long tiles = (long long)a.n_tokens * a.group / PD_CUDA_ATTN_BM + a.n_seqs;
-    choose_splits(c, &a, tiles * a.n_kv_heads, 2LL * c->n_sm, span, 512, 64);
+    long long tiles = (long long)a.n_tokens * a.group / a.bm + a.n_seqs;
+    /* two 4-warp blocks or one 8-warp block fit an SM */
+    choose_splits(c, &a, tiles * a.n_kv_heads, (a.bm == 128 ? 1LL : 2LL) * c->n_sm, span, 512, 64);
     pd_cuda_attn_prefill(c->st, &a);
     CK_LAUNCH(c, "attention (prefill)");
   }

@@ -208,6 +208,7 @@ typedef struct pd_cuda_attn {
    * (sequence, KV head) run as one cluster and merge in shared memory: out written directly,
    * part_o / part_ml unused, no merge kernel */
   bool cluster;
+  int bm; /* prefill: rows per tile, from pd_cuda_attn_prefill_bm (64 or 128) */
 } pd_cuda_attn;
 
 /* True when the tuned kernels cover this head dim (64, 80, 128). */
@@ -223,8 +224,10 @@ void pd_cuda_attn_decode_tc(cudaStream_t st, const pd_cuda_attn *a);
 int pd_cuda_attn_decode_tc_max_cluster(const pd_cuda_attn *a, int cc_major);
 /* Heads one decode block handles (its query-head chunk) for this group size. */
 int pd_cuda_attn_decode_heads(int group);
-/* Prefill / mixed batches: tiles of PD_CUDA_ATTN_BM (token, head) rows. */
-#define PD_CUDA_ATTN_BM 64
+/* Prefill / mixed batches: tiles of BM (token, head) rows, BM = pd_cuda_attn_prefill_bm(...):
+ * 128 for head dim 128 when the sequences bring 128 rows or more each on average and the
+ * longest context is 2048 or more, else 64. */
+int pd_cuda_attn_prefill_bm(int head_dim, int n_tokens, int n_seqs, int group, int max_ctx);
 void pd_cuda_attn_prefill(cudaStream_t st, const pd_cuda_attn *a);
 /* Any head dim (even, <= 256), any batch: one warp per (token, query head). Slow; correct. */
 void pd_cuda_attn_generic(cudaStream_t st, const pd_cuda_attn *a);
