@@ -449,7 +449,8 @@ static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int
   const pd_model_config *c = &g->m->cfg;
   const int D = g->D, F = g->F, hd = g->hd;
   const int qd = g->nq * hd, kd = g->nkv * hd;
-  pd_attn_batch ab = {n_seqs, M, g->dm.qstart, g->dm.ctx, g->dm.bt, max_blocks, max_ctx};
+  /* the attention's output is the o projection's input only */
+  pd_attn_batch ab = {n_seqs, M, g->dm.qstart, g->dm.ctx, g->dm.bt, max_blocks, max_ctx, true};
   const float scale = 1.0f / sqrtf((float)hd);
   const float eps = (float)c->rms_norm_eps;
 
@@ -507,7 +508,7 @@ static void run_model(pd_engine *g, int M, int n_seqs, int max_blocks, int max_c
   const pd_model_config *c = &g->m->cfg;
   const int D = g->D, F = g->F, hd = g->hd;
   const int qd = g->nq * hd, kd = g->nkv * hd;
-  pd_attn_batch ab = {n_seqs, M, g->dm.qstart, g->dm.ctx, g->dm.bt, max_blocks, max_ctx};
+  pd_attn_batch ab = {n_seqs, M, g->dm.qstart, g->dm.ctx, g->dm.bt, max_blocks, max_ctx, false};
   const float scale = 1.0f / sqrtf((float)hd);
   const float eps = (float)c->rms_norm_eps;
 

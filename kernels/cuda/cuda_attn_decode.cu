@@ -262,7 +262,7 @@ attn_decode_kernel(pd_cuda_attn a, int n_hchunks) {
   for (int i = tid; i < Gc * HD; i += kThreads) {
     const int h = i / HD, d = i - h * HD;
     if (a.n_splits == 1)
-      a.out[((size_t)t * nq + qh0 + h) * HD + d] = acc_s[h][d] / l_s[h];
+      pd_attn_store(a, ((size_t)t * nq + qh0 + h) * HD + d, acc_s[h][d] / l_s[h]);
     else
       a.part_o[(((size_t)split * a.n_tokens + t) * nq + qh0 + h) * HD + d] = acc_s[h][d];
   }
@@ -272,7 +272,8 @@ attn_decode_kernel(pd_cuda_attn a, int n_hchunks) {
 
 /* out[row] = sum_i 2^(m_i - M) o_i / sum_i 2^(m_i - M) l_i over the splits that saw a key. */
 constexpr int kMaxMergeSplits = 1024;
-__global__ void merge_kernel(float *__restrict__ out, const float *__restrict__ po,
+__global__ void merge_kernel(float *__restrict__ out, __nv_bfloat16 *__restrict__ out16,
+                             const float *__restrict__ po,
                              const float2 *__restrict__ pml, int n_splits, size_t n_rows,
                              int hd) {
   __shared__ float wgt[kMaxMergeSplits];
@@ -297,7 +298,10 @@ __global__ void merge_kernel(float *__restrict__ out, const float *__restrict__ 
     float acc = 0.0f;
     for (int i = 0; i < n_splits; i++)
       if (wgt[i] != 0.0f) acc += wgt[i] * po[(i * n_rows + row) * hd + d];
-    out[row * hd + d] = acc * inv_den;
+    if (out16)
+      out16[row * hd + d] = __float2bfloat16_rn(acc * inv_den);
+    else
+      out[row * hd + d] = acc * inv_den;
   }
 }
 
@@ -355,7 +359,7 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(pd_cuda_attn a) {
 #pragma unroll
   for (int i = 0; i < DPL; i++) {
     int d = lane + 32 * i;
-    if (d < HD) a.out[((size_t)t * nq + h) * HD + d] = acc[i] / l;
+    if (d < HD) pd_attn_store(a, ((size_t)t * nq + h) * HD + d, acc[i] / l);
   }
 }
 
@@ -402,7 +406,7 @@ void pd_cuda_attn_decode(cudaStream_t st, const pd_cuda_attn *a) {
 void pd_cuda_attn_merge(cudaStream_t st, const pd_cuda_attn *a) {
   size_t rows = (size_t)a->n_tokens * a->n_q_heads;
   int threads = a->head_dim <= 64 ? 64 : 128;
-  merge_kernel<<<(unsigned)rows, threads, 0, st>>>(a->out, a->part_o, a->part_ml, a->n_splits,
+  merge_kernel<<<(unsigned)rows, threads, 0, st>>>(a->out, a->out16, a->part_o, a->part_ml, a->n_splits,
                                                    rows, a->head_dim);
 }
 

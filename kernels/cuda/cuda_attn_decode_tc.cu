@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
       cO[r * HD + d] = num;
       if (d == 0) reinterpret_cast<float2 *>(cO + 16 * HD)[r] = make_float2(M, den);
     } else if (a.n_splits == 1) {
-      a.out[(qrow0 + r) * HD + d] = num / den;
+      pd_attn_store(a, (qrow0 + r) * HD + d, num / den);
     } else {
       const size_t sb = (size_t)split * a.n_tokens * nq;
       a.part_o[(sb + qrow0 + r) * HD + d] = num;
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
         num += wt * po[r * HD + d];
         den += wt * ml.y;
       }
-      a.out[(qrow0 + r) * HD + d] = num / den;
+      pd_attn_store(a, (qrow0 + r) * HD + d, num / den);
     }
     cl.sync(); /* no block leaves while the others read its shared memory */
 #else

@@ -337,12 +337,8 @@ __global__ void __launch_bounds__(BM * 2, 128 / BM) attn_prefill_kernel(pd_cuda_
 #pragma unroll
     for (int dt = 0; dt < DT; dt++) {
       const int d = dt * 8 + lt * 2;
-      if (vA)
-        *reinterpret_cast<float2 *>(a.out + rowA * HD + d) =
-            make_float2(o[dt][0] * iA, o[dt][1] * iA);
-      if (vB)
-        *reinterpret_cast<float2 *>(a.out + rowB * HD + d) =
-            make_float2(o[dt][2] * iB, o[dt][3] * iB);
+      if (vA) pd_attn_store2(a, rowA * HD + d, o[dt][0] * iA, o[dt][1] * iA);
+      if (vB) pd_attn_store2(a, rowB * HD + d, o[dt][2] * iB, o[dt][3] * iB);
     }
   } else {
     const size_t sb = (size_t)split * a.n_tokens * nq;

@@ -610,6 +610,25 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
   a.max_ctx_len = b->max_ctx_len > 0 ? b->max_ctx_len : 1;
   a.n_splits = 1;
   a.split_len = 1 << 30;
+  /* out_scratch at the sizes whose o projection runs on cuBLAS: the output goes straight into
+   * the 16-bit operand buffer (the rounding the conversion would make) and is handed to the next
+   * matmul_fused as the GLU's product is (PD_CUDA_ATTN_HANDOFF=0: off, a measurement switch) */
+  static int attn_ho = -1;
+  if (attn_ho < 0) {
+    const char *ev = getenv("PD_CUDA_ATTN_HANDOFF");
+    attn_ho = !(ev && !strcmp(ev, "0"));
+  }
+  const size_t ho_bytes = (size_t)b->n_tokens * n_q_heads * a.head_dim * 2;
+  if (attn_ho && b->out_scratch && b->n_tokens > gemv_max_m() &&
+      (!c->capturing || ho_bytes <= c->xconv_size)) {
+    grow(c, &c->xconv, &c->xconv_size, ho_bytes);
+    a.out16 = static_cast<__nv_bfloat16 *>(c->xconv);
+    c->h16_valid = true;
+    c->h16_y = out;
+    c->h16_M = b->n_tokens;
+    c->h16_K = n_q_heads * a.head_dim;
+    c->h16_dt = PD_DTYPE_BF16;
+  }
 
   if (!pd_cuda_attn_tuned_hd(a.head_dim)) {
     pd_cuda_attn_generic(c->st, &a);

@@ -209,7 +209,25 @@ typedef struct pd_cuda_attn {
    * part_o / part_ml unused, no merge kernel */
   bool cluster;
   int bm; /* prefill: rows per tile, from pd_cuda_attn_prefill_bm (64 or 128) */
+  /* non-NULL: the final output goes there in bf16 (rounded to nearest even) instead of to out:
+   * the next GEMM's 16-bit operand */
+  __nv_bfloat16 *out16;
 } pd_cuda_attn;
+
+/* The attention's final output element i (pairs: i even) to out, or to out16 when set. */
+__device__ __forceinline__ void pd_attn_store(const pd_cuda_attn &a, size_t i, float v) {
+  if (a.out16)
+    a.out16[i] = __float2bfloat16_rn(v);
+  else
+    a.out[i] = v;
+}
+__device__ __forceinline__ void pd_attn_store2(const pd_cuda_attn &a, size_t i, float v0,
+                                               float v1) {
+  if (a.out16)
+    *reinterpret_cast<__nv_bfloat162 *>(a.out16 + i) = __floats2bfloat162_rn(v0, v1);
+  else
+    *reinterpret_cast<float2 *>(a.out + i) = make_float2(v0, v1);
+}
 
 /* True when the tuned kernels cover this head dim (64, 80, 128). */
 bool pd_cuda_attn_tuned_hd(int head_dim);

@@ -495,6 +495,57 @@ typedef struct attn_case {
   double tol;
 } attn_case;
 
+/* The attention's output handed to the o projection (pd_attn_batch.out_scratch): attention with
+ * the hint, then a residual matmul_fused reading its output, against the same matmul on the
+ * output written without the hint (dout). bf16 weights take the 16-bit operand as it is (the
+ * same rounding as converting dout: equal results, up to the order of the SIMT kernel's shared
+ * atomics); f32 weights (16-row pages) make the
+ * consumer write the output back first (y then equals dout rounded to bf16). */
+static void attn_handoff_check(const attn_case *c, int T, size_t qn, const float *dout,
+                               const float *dq, const pd_kv_layer *dl, const pd_kv_shape *sh,
+                               const pd_attn_batch *db, float scale) {
+  const int K = c->nq * c->hd, N = 96;
+  const pd_dtype wdt = c->bs == 16 ? PD_DTYPE_F32 : PD_DTYPE_BF16;
+  void *w = rand_dt(wdt, (size_t)N * K, -0.05f, 0.05f);
+  float *x0 = rand_f32((size_t)T * N, -1, 1);
+  void *dw = up(w, (size_t)N * K * pd_dtype_size(wdt));
+  float *dy1 = up(x0, (size_t)T * N * 4), *dy2 = up(x0, (size_t)T * N * 4);
+  float *dout2 = g_gpu->ops.alloc(g_gpu, qn * 4);
+  pd_attn_batch hb = *db;
+  hb.out_scratch = true;
+  g_gpu->ops.attention(g_gpu, dout2, dq, dl, sh, &hb, c->nq, scale, c->window);
+  const pd_mm_fused p2 = {.y = dy2, .x = dout2, .w = dw, .wdt = wdt, .M = T, .N = N, .K = K,
+                          .epilogue = PD_MM_ACCUMULATE};
+  g_gpu->ops.matmul_fused(g_gpu, &p2);
+  const pd_mm_fused p1 = {.y = dy1, .x = dout, .w = dw, .wdt = wdt, .M = T, .N = N, .K = K,
+                          .epilogue = PD_MM_ACCUMULATE};
+  g_gpu->ops.matmul_fused(g_gpu, &p1);
+  float *y1 = down(dy1, (size_t)T * N * 4), *y2 = down(dy2, (size_t)T * N * 4);
+  for (size_t i = 0; i < (size_t)T * N; i++) {
+    y1[i] -= x0[i];
+    y2[i] -= x0[i];
+  }
+  const bool widened = wdt == PD_DTYPE_F32 && T > 2;
+  const double ey = rel_err(y2, y1, (size_t)T * N);
+  CHECKF(ey < (widened ? 1e-2 : 1e-4), "attention %s hand-off to the o projection (%s, M %d): %.3g",
+         c->name, dtn(wdt), T, ey);
+  if (widened) {
+    float *o1 = down(dout, qn * 4), *o2 = down(dout2, qn * 4);
+    const double eo = rel_err(o2, o1, qn);
+    CHECKF(eo < 8e-3, "attention %s hand-off: output written back %.3g", c->name, eo);
+    free(o1);
+    free(o2);
+  }
+  free(w);
+  free(x0);
+  free(y1);
+  free(y2);
+  gfree(dw);
+  gfree(dy1);
+  gfree(dy2);
+  gfree(dout2);
+}
+
 /* Builds a paged cache whose blocks are handed out in shuffled order, fills the owned slots with
  * random values and everything else (tails, unused blocks, the unused block-table columns' block)
  * with NaN, runs attention on both backends and compares. */
@@ -552,7 +603,7 @@ static void run_attn(const attn_case *c) {
   float *q = rand_f32(qn, -2, 2), *ref = xmalloc(qn * 4);
   pd_kv_shape sh = {num_blocks, bs, c->nkv, c->hd, c->dt};
   pd_kv_layer hl = {kc, vc};
-  pd_attn_batch hb = {S, T, qs, c->ctx, bt, max_blocks, max_ctx};
+  pd_attn_batch hb = {S, T, qs, c->ctx, bt, max_blocks, max_ctx, false};
   const float scale = 1.0f / sqrtf((float)c->hd);
   g_cpu->ops.attention(g_cpu, ref, q, &hl, &sh, &hb, c->nq, scale, c->window);
 
@@ -560,7 +611,7 @@ static void run_attn(const attn_case *c) {
   int32_t *dqs = up(qs, (size_t)(S + 1) * 4), *dctx = up(c->ctx, (size_t)S * 4);
   int32_t *dbt = up(bt, (size_t)S * max_blocks * 4);
   float *dq = up(q, qn * 4), *dout = g_gpu->ops.alloc(g_gpu, qn * 4);
-  pd_attn_batch db = {S, T, dqs, dctx, dbt, max_blocks, max_ctx};
+  pd_attn_batch db = {S, T, dqs, dctx, dbt, max_blocks, max_ctx, false};
   g_gpu->ops.attention(g_gpu, dout, dq, &dl, &sh, &db, c->nq, scale, c->window);
   float *out = down(dout, qn * 4);
   double err = rel_err(out, ref, qn);
@@ -569,6 +620,7 @@ static void run_attn(const attn_case *c) {
          c->window, err, c->tol);
   printf("  attention %-22s seqs %4d tokens %5d heads %2d/%d hd %3d bs %2d %-4s window %4d: %.2e\n",
          c->name, S, T, c->nq, c->nkv, c->hd, bs, dtn(c->dt), c->window, err);
+  attn_handoff_check(c, T, qn, dout, dq, &dl, &sh, &db, scale);
   free(perm);
   free(bt);
   free(qs);

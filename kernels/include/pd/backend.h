@@ -56,6 +56,9 @@ typedef struct pd_attn_batch {
   const int32_t *block_tables; /* [n_seqs, max_blocks] */
   int max_blocks;
   int max_ctx_len;            /* max over ctx_len (host-side hint for work splitting) */
+  /* a hint: the output is read by nothing but the next matmul_fused, as its x; a backend may
+   * then hand it over in a form of its own, as pd_mm_fused.y_scratch */
+  bool out_scratch;
 } pd_attn_batch;
 
 /* ---- device sampling (the optional `sample` op) ----
