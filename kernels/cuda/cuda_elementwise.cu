@@ -182,59 +182,48 @@ rmsnorm16_kernel(T16 *__restrict__ y, const float *__restrict__ x, const float *
 }
 
 /* y[m, f] = silu(g + bg) * (u + bu) from 16-bit rows [g | u] of 2F (cuBLAS's output), y in f32
- * or in the 16-bit type (the next GEMM's operand); a 2D grid (row = blockIdx.y), two outputs per
- * thread. */
-template <typename T16, typename TO>
+ * or in the 16-bit type (the next GEMM's operand); a 2D grid (row = blockIdx.y), eight outputs
+ * per thread, by 16-byte loads and stores when F % 8 == 0 (V8: every row then starts 16-byte
+ * aligned in gu and in y), else one at a time. */
+template <typename T16, typename TO, bool V8>
 __global__ void swiglu16_kernel(TO *__restrict__ y, const T16 *__restrict__ gu,
                                 const float *__restrict__ bias, int F) {
   const T16 *row = gu + (size_t)blockIdx.y * 2 * F;
   TO *yr = y + (size_t)blockIdx.y * F;
-  const int f = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
-  if (f >= F) return;
-  const int n = f + 1 < F ? 2 : 1;
-  for (int j = 0; j < n; j++) {
-    const float g = pd_to_f32(row[f + j]) + (bias ? bias[f + j] : 0.0f);
-    const float u = pd_to_f32(row[F + f + j]) + (bias ? bias[F + f + j] : 0.0f);
-    yr[f + j] = pd_from_f32<TO>(g / (1.0f + expf(-g)) * u);
-  }
-}
-
-/* The same, eight outputs per thread from 16-byte loads (F % 8 == 0: every row then starts
- * 16-byte aligned in gu and in y). */
-template <typename T16, typename TO>
-__global__ void swiglu16_v8_kernel(TO *__restrict__ y, const T16 *__restrict__ gu,
-                                   const float *__restrict__ bias, int F) {
-  const T16 *row = gu + (size_t)blockIdx.y * 2 * F;
-  TO *yr = y + (size_t)blockIdx.y * F;
   const int f = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
   if (f >= F) return;
-  const uint4 gv = __ldg(reinterpret_cast<const uint4 *>(row + f));
-  const uint4 uv = __ldg(reinterpret_cast<const uint4 *>(row + F + f));
-  const T16 *gp = reinterpret_cast<const T16 *>(&gv), *up = reinterpret_cast<const T16 *>(&uv);
-  __align__(16) TO o[8];
+  auto act = [&](float g, float u, int j) {
+    g += bias ? bias[f + j] : 0.0f;
+    u += bias ? bias[F + f + j] : 0.0f;
+    return pd_from_f32<TO>(g / (1.0f + expf(-g)) * u);
+  };
+  if constexpr (V8) {
+    const uint4 gv = __ldg(reinterpret_cast<const uint4 *>(row + f));
+    const uint4 uv = __ldg(reinterpret_cast<const uint4 *>(row + F + f));
+    const T16 *gp = reinterpret_cast<const T16 *>(&gv), *up = reinterpret_cast<const T16 *>(&uv);
+    __align__(16) TO o[8];
 #pragma unroll
-  for (int j = 0; j < 8; j++) {
-    const float g = pd_to_f32(gp[j]) + (bias ? bias[f + j] : 0.0f);
-    const float u = pd_to_f32(up[j]) + (bias ? bias[F + f + j] : 0.0f);
-    o[j] = pd_from_f32<TO>(g / (1.0f + expf(-g)) * u);
-  }
-  if constexpr (sizeof(TO) == 2) {
-    *reinterpret_cast<uint4 *>(yr + f) = *reinterpret_cast<const uint4 *>(o);
+    for (int j = 0; j < 8; j++) o[j] = act(pd_to_f32(gp[j]), pd_to_f32(up[j]), j);
+    if constexpr (sizeof(TO) == 2) {
+      *reinterpret_cast<uint4 *>(yr + f) = *reinterpret_cast<const uint4 *>(o);
+    } else {
+      reinterpret_cast<float4 *>(yr + f)[0] = reinterpret_cast<const float4 *>(o)[0];
+      reinterpret_cast<float4 *>(yr + f)[1] = reinterpret_cast<const float4 *>(o)[1];
+    }
   } else {
-    reinterpret_cast<float4 *>(yr + f)[0] = reinterpret_cast<const float4 *>(o)[0];
-    reinterpret_cast<float4 *>(yr + f)[1] = reinterpret_cast<const float4 *>(o)[1];
+    const int n = F - f < 8 ? F - f : 8;
+    for (int j = 0; j < n; j++)
+      yr[f + j] = act(pd_to_f32(row[f + j]), pd_to_f32(row[F + f + j]), j);
   }
 }
 
 template <typename T16, typename TO>
 void launch_swiglu16(cudaStream_t st, TO *y, const T16 *gu, const float *bias, int M, int F) {
-  if (F % 8 == 0) {
-    dim3 grid((unsigned)((F / 8 + 255) / 256), (unsigned)M);
-    swiglu16_v8_kernel<<<grid, 256, 0, st>>>(y, gu, bias, F);
-  } else {
-    dim3 grid((unsigned)((F + 511) / 512), (unsigned)M);
-    swiglu16_kernel<<<grid, 256, 0, st>>>(y, gu, bias, F);
-  }
+  dim3 grid((unsigned)((F / 8 + 1 + 255) / 256), (unsigned)M);
+  if (F % 8 == 0)
+    swiglu16_kernel<T16, TO, true><<<grid, 256, 0, st>>>(y, gu, bias, F);
+  else
+    swiglu16_kernel<T16, TO, false><<<grid, 256, 0, st>>>(y, gu, bias, F);
 }
 
 template <typename T16>
