@@ -17,10 +17,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <zlib.h>
 #include <zmq.h>
 
 #include "node.h"
+#include "pd/crc32.h"
 #include "pd/kvpack.h"
 
 enum { D_RESERVED = 0, D_ACTIVE };
@@ -51,10 +51,12 @@ typedef struct dreq {
 typedef struct decode {
   pd_node node;
   void *kv_sock;
+  double last_step_s; /* the last step's wall time */
   dreq **reqs;
   int n_reqs, cap_reqs;
   uint64_t next_sid, next_reservation;
   int max_model_len;
+  pd_metric *m_kv_check_s, *m_kv_unpack_s; /* the loop thread's time on received KV pages */
   pd_metric *m_requests, *m_kv_bytes, *m_kv_transfers, *m_kv_seconds, *m_res_refused,
       *m_res_expired, *m_errors_kv, *m_errors_internal, *m_errors_invalid, *m_itl, *m_reserved;
 } decode;
@@ -429,11 +431,14 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
              "KV header block ids differ from the reservation");
     return;
   }
+  double t0 = pd_mono_s();
   if (h->checksum_opt_case == PD__KV_TRANSFER_HEADER__CHECKSUM_OPT_CRC32) {
-    uLong crc = crc32(0L, Z_NULL, 0);
-    for (int i = 0; i < m->n_payload; i++)
-      crc = crc32(crc, m->payload[i], (uInt)m->payload_len[i]);
-    if ((uint32_t)crc != h->crc32) {
+    uint32_t crc = 0;
+    for (int i = 0; i < m->n_payload; i++) crc = pd_crc32(crc, m->payload[i], m->payload_len[i]);
+    const double t1 = pd_mono_s();
+    pd_metric_add(g.m_kv_check_s, t1 - t0);
+    t0 = t1;
+    if (crc != h->crc32) {
       pd_metric_add(g.m_errors_kv, 1);
       fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL, "KV payload CRC-32 mismatch");
       return;
@@ -458,6 +463,7 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
     }
     off += m->payload_len[i];
   }
+  pd_metric_add(g.m_kv_unpack_s, pd_mono_s() - t0);
   int H = n->pages.num_kv_heads, h0 = n->pages.head_offset;
   for (int l = s.layer_begin; l < s.layer_end; l++)
     for (int hh = s.head_begin; hh < s.head_end; hh++)
@@ -516,10 +522,14 @@ static void on_kv_done(const pd_net_msg *m, const Pd__KvTransferDone *d) {
          (unsigned long long)r->bytes);
 }
 
-static void kv_drain(void) {
+/* Reads the KV socket: everything queued, or, with budget_s > 0, until that much time has gone
+ * into it (the rest stays queued for the next turn of the loop). */
+static void kv_drain(double budget_s) {
   pd_net_msg m;
   pd_net_msg_init(&m);
+  const double t0 = pd_mono_s();
   for (int k = 0; k < 10000; k++) {
+    if (budget_s > 0 && k > 0 && pd_mono_s() - t0 > budget_s) break;
     bool got = false;
     pd_err e = {0};
     pd_status st = pd_net_recv(g.kv_sock, 0, &g.node.lim, &m, &got, &e);
@@ -592,7 +602,8 @@ static void end_step(pd_node *n, int64_t t0) {
     pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
     fail_active(e.msg);
   }
-  pd_metric_observe(n->m_step_seconds, (double)(pd_now_ms() - t0) / 1000.0);
+  g.last_step_s = (double)(pd_now_ms() - t0) / 1000.0;
+  pd_metric_observe(n->m_step_seconds, g.last_step_s);
   pd_node_update_metrics(n); /* O(1): scrapes see every step */
 }
 
@@ -619,6 +630,12 @@ int main(int argc, char **argv) {
                                     "direction=\"received\"");
   g.m_kv_transfers = pd_metrics_counter(m, "pd_node_kv_transfers_total",
                                         "KV transfers completed.", "direction=\"received\"");
+  g.m_kv_check_s = pd_metrics_counter(m, "pd_node_kv_loop_seconds_total",
+                                      "Time the node's loop thread spent on KV pages.",
+                                      "direction=\"received\",work=\"checksum\"");
+  g.m_kv_unpack_s = pd_metrics_counter(m, "pd_node_kv_loop_seconds_total",
+                                       "Time the node's loop thread spent on KV pages.",
+                                       "direction=\"received\",work=\"unpack\"");
   g.m_kv_seconds = pd_metrics_histogram(m, "pd_node_kv_transfer_seconds",
                                         "From a request's first KV chunk to its KvTransferDone.",
                                         NULL, pd_metrics_latency_buckets,
@@ -674,6 +691,13 @@ int main(int argc, char **argv) {
    * switch). */
   const char *ov = getenv("PD_DECODE_OVERLAP");
   const bool overlap = !(ov && !strcmp(ov, "0"));
+  /* While sequences decode, a turn of the loop spends at most about one step's time (2-20 ms)
+   * on received KV pages (checksums, copies into the cache), so that a burst of finished
+   * prefills lands over several steps instead of stalling every running sequence until all of
+   * it is in. PD_DECODE_KV_BUDGET_MS=N sets N ms instead; 0 takes everything queued each turn
+   * (a measurement switch). */
+  const char *kb = getenv("PD_DECODE_KV_BUDGET_MS");
+  const double kv_budget_fixed = kb ? atof(kb) / 1000.0 : -1.0;
   pd_sched *sched = n->rt.sched;
   int64_t next_metrics = 0, step_t0 = 0;
   while (!pd_node_stop_flag) {
@@ -683,7 +707,12 @@ int main(int argc, char **argv) {
     zmq_pollitem_t items[2] = {{n->router_sock, 0, ZMQ_POLLIN, 0}, {g.kv_sock, 0, ZMQ_POLLIN, 0}};
     zmq_poll(items, 2, (long)wait);
     pd_node_drain_router(n);
-    kv_drain();
+    double kv_budget = 0.0; /* everything queued */
+    if (pd_sched_step_in_flight(sched) || pd_sched_has_work(sched)) {
+      kv_budget = g.last_step_s < 0.002 ? 0.002 : g.last_step_s > 0.02 ? 0.02 : g.last_step_s;
+      if (kv_budget_fixed >= 0.0) kv_budget = kv_budget_fixed;
+    }
+    kv_drain(kv_budget);
     sweep_reservations();
     bool acted = false;
     if (pd_sched_step_in_flight(sched)) {

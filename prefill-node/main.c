@@ -10,10 +10,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <zlib.h>
 #include <zmq.h>
 
 #include "node.h"
+#include "pd/crc32.h"
 #include "pd/kvpack.h"
 
 /* One request in this node. */
@@ -57,6 +57,8 @@ typedef struct prefill {
   pending_ack acks[1024];
   int n_acks;
   size_t chunk_bytes;
+  bool checksum; /* CRC-32 of each KV chunk (PD_KV_CHECKSUM=0: none, a measurement switch) */
+  pd_metric *m_kv_pack_s, *m_kv_check_s, *m_kv_send_s; /* the loop thread's time on KV */
   pd_metric *m_requests, *m_kv_bytes, *m_kv_seconds, *m_kv_transfers, *m_errors_invalid,
       *m_errors_internal, *m_errors_kv, *m_ttft;
 } prefill;
@@ -252,9 +254,10 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
     void *frames[256] = {0};
     size_t lens[256];
     uint64_t fb[256];
-    uLong crc = crc32(0L, Z_NULL, 0);
+    uint32_t crc = 0;
     pd_status st = PD_OK;
     size_t off = 0;
+    double t_pack = 0.0, t_check = 0.0;
     for (int f = 0; f < nf && st == PD_OK; f++) {
       size_t len = size - off < g.chunk_bytes ? size - off : g.chunk_bytes;
       frames[f] = malloc(len);
@@ -262,12 +265,18 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
         st = pd_err_set(e, PD_ENOMEM, "out of memory");
         break;
       }
+      const double t0 = pd_mono_s();
       st = pd_node_kv_pack(n, &s, ev->block_table, nb, off, frames[f], len, e);
-      crc = crc32(crc, frames[f], (uInt)len);
+      const double t1 = pd_mono_s();
+      if (g.checksum) crc = pd_crc32(crc, frames[f], len);
+      t_pack += t1 - t0;
+      t_check += pd_mono_s() - t1;
       lens[f] = len;
       fb[f] = len;
       off += len;
     }
+    pd_metric_add(g.m_kv_pack_s, t_pack);
+    pd_metric_add(g.m_kv_check_s, t_check);
     if (st != PD_OK) {
       for (int f = 0; f < nf; f++) free(frames[f]);
       return st;
@@ -290,13 +299,18 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
     h.offset = pd_kvpack_offset(&n->pages, &s, nb);
     h.n_frame_bytes = (size_t)nf;
     h.frame_bytes = fb;
-    h.checksum_opt_case = PD__KV_TRANSFER_HEADER__CHECKSUM_OPT_CRC32;
-    h.crc32 = (uint32_t)crc;
+    if (g.checksum) {
+      h.checksum_opt_case = PD__KV_TRANSFER_HEADER__CHECKSUM_OPT_CRC32;
+      h.crc32 = crc;
+    }
     Pd__Envelope env;
     pd_wire_envelope_init(&env);
     env.body_case = PD__ENVELOPE__BODY_KV_HEADER;
     env.kv_header = &h;
-    if ((st = pd_outbox_send(&l->out, &env, frames, lens, nf, e)) != PD_OK) return st;
+    const double t_send = pd_mono_s();
+    st = pd_outbox_send(&l->out, &env, frames, lens, nf, e);
+    pd_metric_add(g.m_kv_send_s, pd_mono_s() - t_send);
+    if (st != PD_OK) return st;
     n_chunks++;
     total += size;
   }
@@ -562,6 +576,10 @@ int main(int argc, char **argv) {
   pd_log_init("pd-prefill", o.verbose);
   pd_node_install_signals();
   g.chunk_bytes = (size_t)o.kv_chunk_mb << 20;
+  {
+    const char *ev = getenv("PD_KV_CHECKSUM");
+    g.checksum = !(ev && !strcmp(ev, "0"));
+  }
   pd_node_hooks hooks = {.fill_load = fill_load, .on_router_msg = on_router_msg,
                          .on_router_reset = on_router_reset};
   pd_err e = {0};
@@ -577,6 +595,14 @@ int main(int argc, char **argv) {
                                     "KV page bytes sent to decode nodes.", "direction=\"sent\"");
   g.m_kv_transfers = pd_metrics_counter(m, "pd_node_kv_transfers_total",
                                         "KV transfers sent.", "direction=\"sent\"");
+  static const char *const kv_work[3] = {"pack", "checksum", "send"};
+  pd_metric **kv_work_m[3] = {&g.m_kv_pack_s, &g.m_kv_check_s, &g.m_kv_send_s};
+  for (int i = 0; i < 3; i++) {
+    char lab[64];
+    snprintf(lab, sizeof lab, "direction=\"sent\",work=\"%s\"", kv_work[i]);
+    *kv_work_m[i] = pd_metrics_counter(m, "pd_node_kv_loop_seconds_total",
+                                       "Time the node's loop thread spent on KV pages.", lab);
+  }
   g.m_kv_seconds = pd_metrics_histogram(m, "pd_node_kv_transfer_seconds",
                                         "From queueing a request's KV pages to the decode "
                                         "node's acknowledgement.",

@@ -44,6 +44,8 @@ bool pd_log_debug_on(void);
 pd_status pd_ready_file_write(const char *path, const cJSON *obj, pd_err *e);
 /* CLOCK_MONOTONIC milliseconds. */
 int64_t pd_now_ms(void);
+/* CLOCK_MONOTONIC seconds, to the nanosecond (for timing work on a node's loop). */
+double pd_mono_s(void);
 /* Wall clock seconds since the epoch. */
 double pd_wall_s(void);
 /* Fingerprint of a model folder for the router's compatibility check: XXH64 of config.json

@@ -51,6 +51,12 @@ int64_t pd_now_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+double pd_mono_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 double pd_wall_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
