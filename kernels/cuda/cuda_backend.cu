@@ -738,6 +738,14 @@ void pd_cuda_free_extras(cuda_impl *c) {
   cudaFree(c->smp_greedy);
   if (c->smp_host) cudaFreeHost(c->smp_host);
   cudaFree(c->stage_dev);
+  if (c->st_kv) {
+    cudaStreamSynchronize(c->st_kv);
+    cudaStreamDestroy(c->st_kv);
+  }
+  if (c->kv_ev) cudaEventDestroy(c->kv_ev);
+  c->st_kv = NULL;
+  c->kv_ev = NULL;
+  c->kv_stream_state = 0;
   c->smp_dev = c->smp_host = c->stage_dev = c->smp_greedy = NULL;
   c->smp_dev_size = c->smp_host_size = c->stage_dev_size = 0;
 }

@@ -10,6 +10,8 @@
  *          pinned chunks, filling chunk i+1 while chunk i is in flight), then a kernel spreads
  *          the segments into the cache. Returns after a stream sync, so the host buffer may be
  *          reused and a fault shows up in pd_backend_cuda_status at once.
+ * Both run on a stream of their own (kv_stream): a gather after the work queued on the
+ * backend's stream before it, a scatter concurrently with it (into blocks no queued step reads).
  *
  * stage_dev layout: [ids of the batch, padded to 256 bytes][packed segments]. A call moves its
  * segments in batches of at most kStageData bytes and kStageIds ids, so the staging buffer stays
@@ -21,6 +23,7 @@
  * multiple of 16), one byte per thread otherwise. Grid: y walks the segments, x the 16-byte (or
  * byte) units of a segment; both loops are strided, so any n and seg_bytes are covered. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_state.h"
@@ -64,9 +67,31 @@ __global__ void scatter_kernel(char *__restrict__ base, const T *__restrict__ sr
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
+/* The stream the staging runs on: its own, so that a scatter's copies and its final sync do not
+ * wait for a decode step queued on st (a decode node takes KV pages while a step computes; the
+ * pages go to reserved blocks no step reads), and a gather waits only for the work before it.
+ * PD_CUDA_KV_STREAM=0 keeps everything on st (a measurement switch). */
+cudaStream_t kv_stream(cuda_impl *c) {
+  if (c->kv_stream_state == 0) {
+    const char *ev = getenv("PD_CUDA_KV_STREAM");
+    c->kv_stream_state = -1;
+    if (!(ev && !strcmp(ev, "0"))) {
+      if (cudaStreamCreateWithFlags(&c->st_kv, cudaStreamNonBlocking) == cudaSuccess &&
+          cudaEventCreateWithFlags(&c->kv_ev, cudaEventDisableTiming) == cudaSuccess) {
+        c->kv_stream_state = 1;
+      } else {
+        cudaGetLastError();
+        if (c->st_kv) cudaStreamDestroy(c->st_kv);
+        c->st_kv = NULL;
+      }
+    }
+  }
+  return c->kv_stream_state == 1 ? c->st_kv : c->st;
+}
+
 /* Queues the copy kernel between the staging bytes and the cache. */
-bool launch(cuda_impl *c, bool gather, void *stage, const void *base, const int32_t *d_ids, int n,
-            size_t stride, size_t offset, size_t seg_bytes) {
+bool launch(cuda_impl *c, cudaStream_t s, bool gather, void *stage, const void *base,
+            const int32_t *d_ids, int n, size_t stride, size_t offset, size_t seg_bytes) {
   const bool vec = ((uintptr_t)base + offset) % 16 == 0 && stride % 16 == 0 &&
                    seg_bytes % 16 == 0;
   const size_t units = vec ? seg_bytes / 16 : seg_bytes;
@@ -77,18 +102,18 @@ bool launch(cuda_impl *c, bool gather, void *stage, const void *base, const int3
   char *b = static_cast<char *>(const_cast<void *>(base));
   if (gather) {
     if (vec)
-      gather_kernel<uint4><<<grid, kThreads, 0, c->st>>>(static_cast<uint4 *>(stage), b, d_ids, n,
+      gather_kernel<uint4><<<grid, kThreads, 0, s>>>(static_cast<uint4 *>(stage), b, d_ids, n,
                                                          stride, offset, units);
     else
-      gather_kernel<unsigned char><<<grid, kThreads, 0, c->st>>>(
+      gather_kernel<unsigned char><<<grid, kThreads, 0, s>>>(
           static_cast<unsigned char *>(stage), b, d_ids, n, stride, offset, units);
     return CK_LAUNCH(c, "kv_gather");
   }
   if (vec)
-    scatter_kernel<uint4><<<grid, kThreads, 0, c->st>>>(b, static_cast<const uint4 *>(stage),
+    scatter_kernel<uint4><<<grid, kThreads, 0, s>>>(b, static_cast<const uint4 *>(stage),
                                                         d_ids, n, stride, offset, units);
   else
-    scatter_kernel<unsigned char><<<grid, kThreads, 0, c->st>>>(
+    scatter_kernel<unsigned char><<<grid, kThreads, 0, s>>>(
         b, static_cast<const unsigned char *>(stage), d_ids, n, stride, offset, units);
   return CK_LAUNCH(c, "kv_scatter");
 }
@@ -103,10 +128,10 @@ bool page_locked(const void *host) {
 }
 
 /* Device staging -> host; complete on return. */
-bool stage_to_host(cuda_impl *c, void *dst, const char *src, size_t bytes) {
+bool stage_to_host(cuda_impl *c, cudaStream_t s, void *dst, const char *src, size_t bytes) {
   if (!c->pin[0] || page_locked(dst)) {
-    if (!CK(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->st))) return false;
-    return CK(c, cudaStreamSynchronize(c->st));
+    if (!CK(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s))) return false;
+    return CK(c, cudaStreamSynchronize(s));
   }
   const size_t C = PD_CUDA_PIN_BYTES;
   const size_t n = (bytes + C - 1) / C;
@@ -114,9 +139,9 @@ bool stage_to_host(cuda_impl *c, void *dst, const char *src, size_t bytes) {
   for (size_t i = 0; i < n; i++) {
     const int b = (int)(i & 1);
     /* pin[b] last held chunk i - 2, copied out at step i - 1 */
-    if (!CK(c, cudaMemcpyAsync(c->pin[b], src + i * C, len(i), cudaMemcpyDeviceToHost, c->st)))
+    if (!CK(c, cudaMemcpyAsync(c->pin[b], src + i * C, len(i), cudaMemcpyDeviceToHost, s)))
       return false;
-    if (!CK(c, cudaEventRecord(c->pin_ev[b], c->st))) return false;
+    if (!CK(c, cudaEventRecord(c->pin_ev[b], s))) return false;
     if (i > 0) {
       const int pb = (int)((i - 1) & 1);
       if (!CK(c, cudaEventSynchronize(c->pin_ev[pb]))) return false;
@@ -130,9 +155,9 @@ bool stage_to_host(cuda_impl *c, void *dst, const char *src, size_t bytes) {
 }
 
 /* Host -> device staging, queued on the stream; the caller syncs before host may change. */
-bool host_to_stage(cuda_impl *c, char *dst, const void *src, size_t bytes) {
+bool host_to_stage(cuda_impl *c, cudaStream_t s, char *dst, const void *src, size_t bytes) {
   if (!c->pin[0] || page_locked(src))
-    return CK(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->st));
+    return CK(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
   const size_t C = PD_CUDA_PIN_BYTES;
   const size_t n = (bytes + C - 1) / C;
   for (size_t i = 0; i < n; i++) {
@@ -141,16 +166,16 @@ bool host_to_stage(cuda_impl *c, char *dst, const void *src, size_t bytes) {
     /* pin[b] may still feed the copy of chunk i - 2 */
     if (i >= 2 && !CK(c, cudaEventSynchronize(c->pin_ev[b]))) return false;
     memcpy(c->pin[b], static_cast<const char *>(src) + i * C, len);
-    if (!CK(c, cudaMemcpyAsync(dst + i * C, c->pin[b], len, cudaMemcpyHostToDevice, c->st)))
+    if (!CK(c, cudaMemcpyAsync(dst + i * C, c->pin[b], len, cudaMemcpyHostToDevice, s)))
       return false;
-    if (!CK(c, cudaEventRecord(c->pin_ev[b], c->st))) return false;
+    if (!CK(c, cudaEventRecord(c->pin_ev[b], s))) return false;
   }
   return true;
 }
 
 /* One batch: n <= kStageIds segments, n * seg_bytes <= kStageData (or one piece of a segment). */
-bool batch(cuda_impl *c, bool gather, void *host, const void *base, const int32_t *ids, int n,
-           size_t stride, size_t offset, size_t seg_bytes) {
+bool batch(cuda_impl *c, cudaStream_t s, bool gather, void *host, const void *base,
+           const int32_t *ids, int n, size_t stride, size_t offset, size_t seg_bytes) {
   const size_t ids_bytes = align_up((size_t)n * sizeof(int32_t), kIdsAlign);
   const size_t data = (size_t)n * seg_bytes;
   pd_cuda_grow(c, &c->stage_dev, &c->stage_dev_size, ids_bytes + data);
@@ -158,15 +183,15 @@ bool batch(cuda_impl *c, bool gather, void *host, const void *base, const int32_
   char *d_data = static_cast<char *>(c->stage_dev) + ids_bytes;
   /* ids are pageable host memory as a rule: the copy has read them when this returns */
   if (!CK(c, cudaMemcpyAsync(d_ids, ids, (size_t)n * sizeof(int32_t), cudaMemcpyHostToDevice,
-                             c->st)))
+                             s)))
     return false;
   if (gather) {
-    if (!launch(c, true, d_data, base, d_ids, n, stride, offset, seg_bytes)) return false;
-    return stage_to_host(c, host, d_data, data);
+    if (!launch(c, s, true, d_data, base, d_ids, n, stride, offset, seg_bytes)) return false;
+    return stage_to_host(c, s, host, d_data, data);
   }
-  if (!host_to_stage(c, d_data, host, data)) return false;
-  if (!launch(c, false, d_data, base, d_ids, n, stride, offset, seg_bytes)) return false;
-  return CK(c, cudaStreamSynchronize(c->st));
+  if (!host_to_stage(c, s, d_data, host, data)) return false;
+  if (!launch(c, s, false, d_data, base, d_ids, n, stride, offset, seg_bytes)) return false;
+  return CK(c, cudaStreamSynchronize(s));
 }
 
 void kv_stage(pd_backend *be, bool gather, void *host, const void *base, const int32_t *ids,
@@ -178,12 +203,17 @@ void kv_stage(pd_backend *be, bool gather, void *host, const void *base, const i
   cuda_impl *c = impl_of(be);
   PD_ASSERT(!c->capturing && "cuda backend: kv_gather / kv_scatter inside a graph capture");
   pd_cuda_use_device(c);
+  const cudaStream_t s = kv_stream(c);
+  /* a gather reads what the work queued before it (the forward pass) wrote */
+  if (gather && s != c->st &&
+      (!CK(c, cudaEventRecord(c->kv_ev, c->st)) || !CK(c, cudaStreamWaitEvent(s, c->kv_ev, 0))))
+    return;
   char *h = static_cast<char *>(host);
   if (seg_bytes > kStageData) {
     for (int i = 0; i < n; i++)
       for (size_t p = 0; p < seg_bytes; p += kStageData) {
         const size_t len = seg_bytes - p < kStageData ? seg_bytes - p : kStageData;
-        if (!batch(c, gather, h + (size_t)i * seg_bytes + p, base, ids + i, 1, stride,
+        if (!batch(c, s, gather, h + (size_t)i * seg_bytes + p, base, ids + i, 1, stride,
                    offset + p, len))
           return;
       }
@@ -193,7 +223,8 @@ void kv_stage(pd_backend *be, bool gather, void *host, const void *base, const i
   const int per = fit < (size_t)kStageIds ? (int)fit : kStageIds;
   for (int i = 0; i < n; i += per) {
     const int m = n - i < per ? n - i : per;
-    if (!batch(c, gather, h + (size_t)i * seg_bytes, base, ids + i, m, stride, offset, seg_bytes))
+    if (!batch(c, s, gather, h + (size_t)i * seg_bytes, base, ids + i, m, stride, offset,
+               seg_bytes))
       return;
   }
 }

@@ -52,6 +52,9 @@ struct cuda_impl {
   /* KV staging (cuda_kvstage.cu) */
   void *stage_dev;
   size_t stage_dev_size;
+  cudaStream_t st_kv; /* the staging's own stream (NULL until first used, or when unavailable) */
+  cudaEvent_t kv_ev;  /* a gather's wait for the work queued on st before it */
+  int kv_stream_state; /* 0 not tried, 1 st_kv in use, -1 staging runs on st */
   pd_status status; /* first failure, sticky */
   char msg[PD_ERR_MSG_MAX];
 };
