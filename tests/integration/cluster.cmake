@@ -11,5 +11,13 @@ if(TARGET pd-router AND TARGET pd-prefill AND TARGET pd-decode)
       set_tests_properties(test_${t} PROPERTIES LABELS integration TIMEOUT 300
                            SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
     endforeach()
+    # the load test again with decode nodes that take at most one KV message per turn of their
+    # loop while sequences decode: the deferred pages must land all the same
+    add_test(NAME test_cluster_load_kv_budget
+             COMMAND ${PD_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_cluster_load.py
+                     --build ${CMAKE_BINARY_DIR})
+    set_tests_properties(test_cluster_load_kv_budget PROPERTIES LABELS integration TIMEOUT 300
+                         SKIP_RETURN_CODE 77 RUN_SERIAL TRUE
+                         ENVIRONMENT PD_DECODE_KV_BUDGET_MS=0.001)
   endif()
 endif()
