@@ -225,6 +225,16 @@ static void gemm16(cuda_impl *c, void *y, cudaDataType_t yt, const void *x16, co
                       y, yt, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+/* Records that xconv holds y [M, K] in dt in place of y itself (pd_mm_fused.y_scratch,
+ * pd_attn_batch.out_scratch): the next matmul_fused whose x is y takes it. */
+static void hand16(cuda_impl *c, const float *y, int M, int K, pd_dtype dt) {
+  c->h16_valid = true;
+  c->h16_y = y;
+  c->h16_M = M;
+  c->h16_K = K;
+  c->h16_dt = dt;
+}
+
 /* y = x W^T + bias, or y += that when accumulate. */
 static void matmul_impl(cuda_impl *c, float *y, const float *x, const void *w, pd_dtype wdt,
                         const float *bias, int M, int N, int K, bool accumulate) {
@@ -498,11 +508,7 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
       gemm16(c, p->gu, t16, x16, p->w, p->wdt, M, N, K, 0.0f);
       pd_cuda_swiglu16_to16(c->st, c->xconv, p->gu, p->wdt, p->bias, M, N / 2);
       CK_LAUNCH(c, "swiglu (16-bit in and out)");
-      c->h16_valid = true;
-      c->h16_y = p->y;
-      c->h16_M = M;
-      c->h16_K = N / 2;
-      c->h16_dt = p->wdt;
+      hand16(c, p->y, M, N / 2, p->wdt);
     } else if (x16) {
       gemm16(c, p->gu, t16, x16, p->w, p->wdt, M, N, K, 0.0f);
       pd_cuda_swiglu16(c->st, p->y, p->gu, p->wdt, p->bias, M, N / 2);
@@ -623,11 +629,7 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       (!c->capturing || ho_bytes <= c->xconv_size)) {
     grow(c, &c->xconv, &c->xconv_size, ho_bytes);
     a.out16 = static_cast<__nv_bfloat16 *>(c->xconv);
-    c->h16_valid = true;
-    c->h16_y = out;
-    c->h16_M = b->n_tokens;
-    c->h16_K = n_q_heads * a.head_dim;
-    c->h16_dt = PD_DTYPE_BF16;
+    hand16(c, out, b->n_tokens, n_q_heads * a.head_dim, PD_DTYPE_BF16);
   }
 
   if (!pd_cuda_attn_tuned_hd(a.head_dim)) {

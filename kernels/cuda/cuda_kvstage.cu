@@ -103,15 +103,15 @@ bool launch(cuda_impl *c, cudaStream_t s, bool gather, void *stage, const void *
   if (gather) {
     if (vec)
       gather_kernel<uint4><<<grid, kThreads, 0, s>>>(static_cast<uint4 *>(stage), b, d_ids, n,
-                                                         stride, offset, units);
+                                                     stride, offset, units);
     else
       gather_kernel<unsigned char><<<grid, kThreads, 0, s>>>(
           static_cast<unsigned char *>(stage), b, d_ids, n, stride, offset, units);
     return CK_LAUNCH(c, "kv_gather");
   }
   if (vec)
-    scatter_kernel<uint4><<<grid, kThreads, 0, s>>>(b, static_cast<const uint4 *>(stage),
-                                                        d_ids, n, stride, offset, units);
+    scatter_kernel<uint4><<<grid, kThreads, 0, s>>>(b, static_cast<const uint4 *>(stage), d_ids,
+                                                    n, stride, offset, units);
   else
     scatter_kernel<unsigned char><<<grid, kThreads, 0, s>>>(
         b, static_cast<const unsigned char *>(stage), d_ids, n, stride, offset, units);
