@@ -17,6 +17,7 @@
 # /tmp/pdserve-llama3-8b), PROMPTS (512), INPUT_LEN (128), OUTPUT_LEN (128).
 # docs/benchmarks.md ("Serving") has the figures of this recipe on H200s.
 set -u
+. "$(dirname "$0")/bundle_tree.sh"
 D=${1:?usage: gpu_serving.sh BUNDLE_DIR [two | one | cpu] [CONCURRENCY ...]}
 mode=${2:-two}
 shift $(($# >= 2 ? 2 : 1))
@@ -42,14 +43,9 @@ if [ -z "${MODEL:-}" ]; then
     exit 1
 fi
 
-# pdctl finds the node programs where a build tree puts them
 T=$(mktemp -d)
 R="$T/run"
-mkdir -p "$T/tools" "$T/router" "$T/prefill-node" "$T/decode-node"
-cp "$D/bin/pdctl" "$T/tools/"
-cp "$D/bin/pd-router" "$T/router/"
-cp "$D/bin/pd-prefill" "$T/prefill-node/"
-cp "$D/bin/pd-decode" "$T/decode-node/"
+bundle_tree "$D" "$T" || exit 1
 down() {
   "$T/tools/pdctl" cluster down --run-dir "$R" > /dev/null 2>&1
   rm -rf "$T"

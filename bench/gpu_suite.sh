@@ -8,6 +8,7 @@
 #
 # Prints every section; never stops at a failure (each step's exit status is printed).
 set -u
+. "$(dirname "$0")/bundle_tree.sh"
 D=${1:?usage: gpu_suite.sh BUNDLE_DIR [quick | notorch]}
 quick=${2:-}
 export LD_LIBRARY_PATH="$D/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
@@ -45,9 +46,7 @@ done
 step "GPU cluster (test_cluster_gpu)"
 # the test finds the node programs as a build tree lays them out
 T=$(mktemp -d)
-mkdir -p "$T/tools" "$T/router" "$T/prefill-node" "$T/decode-node"
-cp "$D/bin/pdctl" "$T/tools/"; cp "$D/bin/pd-router" "$T/router/"
-cp "$D/bin/pd-prefill" "$T/prefill-node/"; cp "$D/bin/pd-decode" "$T/decode-node/"
+bundle_tree "$D" "$T"
 run timeout 400 python3 tests/integration/test_cluster_gpu.py --pdctl "$T/tools/pdctl" --repo "$PWD"
 rm -rf "$T"
 step pd-bench-cuda;    run "$D/bin/pd-bench-cuda"
