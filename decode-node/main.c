@@ -613,6 +613,7 @@ int main(int argc, char **argv) {
   if (rc) return rc == 2 ? 0 : 1;
   pd_log_init("pd-decode", o.verbose);
   pd_node_install_signals();
+  pd_node_tune_malloc(); /* KV frames stay on the heap (no page faults per frame) */
   pd_node_hooks hooks = {.fill_load = fill_load, .on_router_msg = on_router_msg,
                          .on_router_reset = on_router_reset};
   pd_err e = {0};

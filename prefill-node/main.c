@@ -223,7 +223,7 @@ static void links_drain(void) {
 
 /* Packs the request's pages (all layers, all heads, in chunks of whole layers) and queues the
  * headers and KvTransferDone on the decode node's link. On a GPU the pages are gathered from
- * device memory into the frames (pd_node_kv_pack: two kv_gather calls per layer of a chunk);
+ * device memory into the frames (pd_node_kv_pack: one kv_gather_runs call per frame);
  * the step's forward is queued before on the same stream, so the KV it wrote is there. */
 static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogprob *first_lp,
                          pd_err *e) {
@@ -575,6 +575,7 @@ int main(int argc, char **argv) {
   if (rc) return rc == 2 ? 0 : 1;
   pd_log_init("pd-prefill", o.verbose);
   pd_node_install_signals();
+  pd_node_tune_malloc(); /* KV frames stay on the heap (no page faults per frame) */
   g.chunk_bytes = (size_t)o.kv_chunk_mb << 20;
   {
     const char *ev = getenv("PD_KV_CHECKSUM");

@@ -1,11 +1,13 @@
 /* KV page pack/unpack (pd/kvpack.h): host caches with memcpy, backend caches (pd_kvstage)
- * with the backend's kv_gather / kv_scatter.
+ * with the backend's kv_gather_runs / kv_scatter_runs (one call per range), or kv_gather /
+ * kv_scatter (one call per run) where the backend lacks the batched ops.
  *
  * The staging buffer is a sequence of segments, one per (layer, K/V, listed block), each the
  * slice's heads of that block: (head_end - head_begin) * block_size * head_dim * esize bytes.
  * Inside a block of the cache the heads are outermost, so the heads both sides hold form ONE
  * contiguous run in the segment and one in the cache: every segment is a single memcpy (or none),
  * also for a byte range that starts or ends inside a segment. */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -196,6 +198,8 @@ struct pd_kvstage {
   void *bounce;      /* host; page-locked when from be->ops.host_alloc */
   size_t bounce_cap;
   bool bounce_pinned;
+  pd_kv_run *runs; /* the run list of a batched call (kv_gather_runs / kv_scatter_runs) */
+  size_t runs_cap;
 };
 
 pd_kvstage *pd_kvstage_new(pd_backend *be, size_t bounce_bytes, pd_err *e) {
@@ -230,6 +234,7 @@ static void bounce_release(pd_kvstage *st) {
 void pd_kvstage_free(pd_kvstage *st) {
   if (!st) return;
   bounce_release(st);
+  free(st->runs);
   free(st);
 }
 
@@ -318,6 +323,68 @@ static pd_status stage_full(stage_walk *w, void *base, size_t rs, size_t i0, siz
   return PD_OK;
 }
 
+/* ---- the batched path: every piece of the range in one kv_gather_runs / kv_scatter_runs ---- */
+
+typedef struct run_list {
+  pd_kvstage *st;
+  size_t n;
+} run_list;
+
+static pd_status run_push(run_list *l, const pd_kv_run *r, pd_err *e) {
+  pd_kvstage *st = l->st;
+  if (l->n == st->runs_cap) {
+    size_t cap = st->runs_cap ? 2 * st->runs_cap : 64;
+    pd_kv_run *p = realloc(st->runs, cap * sizeof *p);
+    if (!p) return pd_err_set(e, PD_ENOMEM, "kvstage: no room for %zu runs", cap);
+    st->runs = p;
+    st->runs_cap = cap;
+  }
+  st->runs[l->n++] = *r;
+  return PD_OK;
+}
+
+/* Bytes [x0, y0) of segment i of the run starting at staging offset rs, clipped to the held
+ * heads: one run of one segment. */
+static pd_status batch_partial(const stage_walk *w, run_list *l, const void *base, size_t rs,
+                               size_t i, size_t x0, size_t y0, pd_err *e) {
+  size_t x = x0 > w->held_a ? x0 : w->held_a;
+  size_t y = y0 < w->held_b ? y0 : w->held_b;
+  if (x >= y) return PD_OK;
+  pd_kv_run r = {.base = base, .ids = w->ids + i, .n = 1, .stride = w->stride,
+                 .offset = w->coff + (x - w->held_a), .seg_bytes = y - x,
+                 .host_off = rs + i * w->seg + x - w->off};
+  return run_push(l, &r, e);
+}
+
+/* Collects the pieces of bytes [a, b) of the (layer, K/V) run t (staging offset rs): whole
+ * segments as one run when every head is held, else one run per segment's held part. */
+static pd_status batch_collect(const stage_walk *w, run_list *l, const void *base, size_t rs,
+                               size_t a, size_t b, pd_err *e) {
+  const size_t seg = w->seg;
+  pd_status st = PD_OK;
+  if (w->held_b - w->held_a < seg) { /* resharding: the held part of each touched segment */
+    for (size_t i = a / seg; i * seg < b && !st; i++) {
+      size_t x0 = a > i * seg ? a - i * seg : 0;
+      size_t y0 = b - i * seg < seg ? b - i * seg : seg;
+      st = batch_partial(w, l, base, rs, i, x0, y0, e);
+    }
+    return st;
+  }
+  const size_t fa = (a + seg - 1) / seg, fb = b / seg; /* whole segments [fa, fb) */
+  if (fa > fb) { /* inside one segment */
+    size_t i = a / seg;
+    return batch_partial(w, l, base, rs, i, a - i * seg, b - i * seg, e);
+  }
+  if (a % seg) st = batch_partial(w, l, base, rs, a / seg, a % seg, seg, e);
+  if (!st && fb > fa) {
+    pd_kv_run r = {.base = base, .ids = w->ids + fa, .n = (int)(fb - fa), .stride = w->stride,
+                   .offset = w->coff, .seg_bytes = seg, .host_off = rs + fa * seg - w->off};
+    st = run_push(l, &r, e);
+  }
+  if (!st && b % seg) st = batch_partial(w, l, base, rs, fb, 0, b % seg, e);
+  return st;
+}
+
 static pd_status stage_ranged(pd_kvstage *stg, const pd_kv_pages *g, const pd_kv_slice *s,
                               const int32_t *ids, int n, size_t off, void *buf, size_t len,
                               bool pack, pd_err *e) {
@@ -337,6 +404,23 @@ static pd_status stage_ranged(pd_kvstage *stg, const pd_kv_pages *g, const pd_kv
                   .coff = (size_t)(lo - g->head_offset) * hc, .buf = buf, .off = off};
   const size_t run = w.seg * (size_t)n; /* one (layer, K/V): n segments */
   const size_t end = off + len;
+  pd_backend *be = stg->be;
+  if (be->ops.kv_gather_runs && be->ops.kv_scatter_runs) { /* one call for the whole range */
+    run_list l = {.st = stg, .n = 0};
+    for (size_t t = off / run; t * run < end; t++) {
+      const size_t rs = t * run;
+      const size_t a = (off > rs ? off : rs) - rs;
+      const size_t b = (end < rs + run ? end : rs + run) - rs;
+      const int layer = s->layer_begin + (int)(t / 2);
+      const void *base = t % 2 ? g->layers[layer].v : g->layers[layer].k;
+      if ((st = batch_collect(&w, &l, base, rs, a, b, e))) return st;
+    }
+    if (!l.n) return PD_OK; /* only heads not held here */
+    if (l.n > INT_MAX) return pd_err_set(e, PD_ERANGE, "kvstage: %zu runs in one range", l.n);
+    if (pack) be->ops.kv_gather_runs(be, buf, stg->runs, (int)l.n);
+    else be->ops.kv_scatter_runs(be, buf, stg->runs, (int)l.n);
+    return backend_status(be, e);
+  }
   for (size_t t = off / run; t * run < end; t++) {
     const size_t rs = t * run;
     const size_t a = (off > rs ? off : rs) - rs;

@@ -1,4 +1,5 @@
 /* pd_node: the part of pd-prefill and pd-decode that is not about their role (node.h). */
+#include <malloc.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -116,6 +117,15 @@ void pd_node_logprob(const pd_logprobs *lp, Pd__TokenLogprob *out, Pd__TopLogpro
   }
   out->n_top = (size_t)k;
   out->top = k ? top_buf : NULL;
+}
+
+/* Measured on a 2-core VM (glibc 2.36), 4 MiB frames memcpy'd into and freed by another thread
+ * in bursts of 16: 40 page faults and 0.45 ms a frame with glibc's defaults, 24 (the heap's
+ * first growth) and 0.38 ms with these; a frame mmapped each time (above the threshold) takes
+ * 1025 faults and 2.0 ms, against 0.09 ms for a reused buffer. */
+void pd_node_tune_malloc(void) {
+  if (!mallopt(M_MMAP_THRESHOLD, 32 << 20) || !mallopt(M_TRIM_THRESHOLD, 256 << 20))
+    pd_log(PD_LOG_DEBUG, "mallopt refused (not glibc's malloc?): KV frames may be mmapped");
 }
 
 pd_status pd_node_kv_pack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,

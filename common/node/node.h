@@ -215,6 +215,16 @@ pd_status pd_node_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids
 /* Cache-salt string -> 64-bit salt (0 for ""). */
 uint64_t pd_node_cache_salt(const char *s);
 
+/* Process-wide malloc settings for a node (call once at start, before threads): KV frames
+ * (malloc'ed by the prefill loop and freed by ZeroMQ's I/O thread after the send; received ones
+ * malloc'ed by that thread and freed after the unpack) stay on the heap up to 32 MiB, and up to
+ * 256 MiB of freed heap stays mapped, so a frame's pages are not page-faulted in again on its
+ * first write after the last one's free gave them back. glibc's own dynamic threshold does most
+ * of this already after the first free; this makes it hold for every frame. Frames above 32 MiB
+ * (--kv-chunk-mb > 32) are still mmapped each time (glibc's cap). Best effort: silent where the
+ * allocator (a sanitizer's) ignores it. */
+void pd_node_tune_malloc(void);
+
 /* Set by the signal handler (SIGINT/SIGTERM): the loops end when it is nonzero. */
 extern volatile sig_atomic_t pd_node_stop_flag;
 void pd_node_install_signals(void);

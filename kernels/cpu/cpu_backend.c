@@ -496,6 +496,25 @@ static void cpu_kv_scatter(pd_backend *be, void *base, const void *host, const i
            (const char *)host + (size_t)i * seg_bytes, seg_bytes);
 }
 
+/* kv_gather_runs / kv_scatter_runs: the same copies, run by run. */
+static void cpu_kv_gather_runs(pd_backend *be, void *host, const pd_kv_run *runs, int n_runs) {
+  PD_ASSERT(n_runs >= 0 && (n_runs == 0 || (host && runs)));
+  for (int r = 0; r < n_runs; r++)
+    if (runs[r].n > 0 && runs[r].seg_bytes)
+      cpu_kv_gather(be, (char *)host + runs[r].host_off, runs[r].base, runs[r].ids, runs[r].n,
+                    runs[r].stride, runs[r].offset, runs[r].seg_bytes);
+}
+
+static void cpu_kv_scatter_runs(pd_backend *be, const void *host, const pd_kv_run *runs,
+                                int n_runs) {
+  PD_ASSERT(n_runs >= 0 && (n_runs == 0 || (host && runs)));
+  for (int r = 0; r < n_runs; r++)
+    if (runs[r].n > 0 && runs[r].seg_bytes)
+      cpu_kv_scatter(be, (void *)runs[r].base, (const char *)host + runs[r].host_off,
+                     runs[r].ids, runs[r].n, runs[r].stride, runs[r].offset,
+                     runs[r].seg_bytes);
+}
+
 /* ---- attention ------------------------------------------------------------------------------- */
 
 typedef struct attn_ctx {
@@ -668,6 +687,8 @@ pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e) {
       .destroy = cpu_destroy,
       .kv_gather = cpu_kv_gather,
       .kv_scatter = cpu_kv_scatter,
+      .kv_gather_runs = cpu_kv_gather_runs,
+      .kv_scatter_runs = cpu_kv_scatter_runs,
   };
   c->k = k;
   c->nt = nt;

@@ -8,11 +8,21 @@
  *     transfers of many 8 MiB pinned chunks;
  *   - every call once with a pageable (malloc) host buffer and once with a page-locked one
  *     (host_alloc), at an offset inside it;
+ *   - the batched ops (kv_gather_runs / kv_scatter_runs) against the CPU's: up to 12 runs of
+ *     aligned (vectorised) and unaligned (byte) segments mixed in one call, back to back or with
+ *     gaps in the host buffer (which a gather must leave as they were), in any host order, empty
+ *     runs; and large calls cut into several batches: more packed bytes than the staging cap
+ *     (32 MiB), a segment larger than it among small runs, more ids than a batch holds, more
+ *     pieces than a batch's table holds (40,000 one-segment runs);
  *   - pd_kvstage pack / unpack of a device cache against pd_kvpack on a host copy of it: random
  *     geometries, frame cuts and head resharding (tests/unit/test_net_kvstage.c does the same on
- *     the CPU backend).
+ *     the CPU backend), with the batched ops and with them removed from the table, into pageable
+ *     and page-locked frames.
  * Scatter results are read back whole, so a write outside the segments shows up too. Prints the
- * gather / scatter bandwidth of a 64 MiB transfer. Exits 77 (skipped) without a CUDA device. */
+ * gather / scatter bandwidth of a 64 MiB transfer, and the time of one 3.6 MiB frame of 12 runs
+ * (6 layers of K and V, 10 blocks of 32 KiB: Llama-3-8B, a 150-token prompt) moved by 12
+ * kv_gather / kv_scatter calls and by one kv_gather_runs / kv_scatter_runs. Exits 77 (skipped)
+ * without a CUDA device. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -236,6 +246,221 @@ static void large_calls(uint8_t *pinned, size_t pinned_cap) {
   mirror_free(&m);
 }
 
+/* ---- the batched ops ---- */
+
+/* One batched call, gather and scatter, pageable and page-locked host: runs[r] over the mirror
+ * (bases relative to its start: dev_runs on the device, host_runs on the mirror), host_bytes of
+ * host buffer. Scatter only when the runs' cache segments are disjoint. */
+static void runs_case(mirror *m, const char *what, const pd_kv_run *rel, int n_runs,
+                      size_t host_bytes, bool scatter, uint8_t *pinned, size_t pinned_cap) {
+  pd_kv_run *dr = xmalloc((size_t)n_runs * sizeof *dr), *hr = xmalloc((size_t)n_runs * sizeof *hr);
+  for (int r = 0; r < n_runs; r++) {
+    dr[r] = hr[r] = rel[r];
+    dr[r].base = (const uint8_t *)m->dev + (uintptr_t)rel[r].base;
+    hr[r].base = m->host + (uintptr_t)rel[r].base;
+  }
+  REQUIRE(host_bytes + 16 <= pinned_cap);
+  uint8_t *want = xmalloc(host_bytes), *pageable = xmalloc(host_bytes + 16);
+  for (int kind = 0; kind < 2; kind++) {
+    const size_t skew = urand(2) ? 0 : 1 + urand(15);
+    uint8_t *h = (kind ? pinned : pageable) + skew;
+    const char *hk = kind ? "page-locked" : "pageable";
+    /* gather: the bytes between runs stay as they were */
+    fill(want, host_bytes);
+    memcpy(h, want, host_bytes);
+    g_cpu->ops.kv_gather_runs(g_cpu, want, hr, n_runs);
+    g_gpu->ops.kv_gather_runs(g_gpu, h, dr, n_runs);
+    if (!backend_ok(what)) break;
+    size_t bad = host_bytes;
+    for (size_t i = 0; i < host_bytes && bad == host_bytes; i++)
+      if (h[i] != want[i]) bad = i;
+    CHECKF(bad == host_bytes, "%s: kv_gather_runs into %s memory (%d runs): byte %zu differs",
+           what, hk, n_runs, bad);
+    if (!scatter) continue;
+    fill(h, host_bytes);
+    g_cpu->ops.kv_scatter_runs(g_cpu, h, hr, n_runs);
+    g_gpu->ops.kv_scatter_runs(g_gpu, h, dr, n_runs);
+    memset(h, 0, host_bytes); /* the host buffer may be reused at once */
+    if (!backend_ok(what)) break;
+    uint8_t *back = xmalloc(m->bytes);
+    g_gpu->ops.to_host(g_gpu, back, m->dev, m->bytes);
+    bad = m->bytes;
+    for (size_t i = 0; i < m->bytes && bad == m->bytes; i++)
+      if (back[i] != m->host[i]) bad = i;
+    CHECKF(bad == m->bytes, "%s: kv_scatter_runs from %s memory (%d runs): byte %zu differs",
+           what, hk, n_runs, bad);
+    free(back);
+    if (bad != m->bytes) { /* resynchronise the mirror for the next cases */
+      g_gpu->ops.to_device(g_gpu, m->dev, m->host, m->bytes);
+      g_gpu->ops.sync(g_gpu);
+    }
+  }
+  free(want);
+  free(pageable);
+  free(dr);
+  free(hr);
+}
+
+/* Lays runs out in the host buffer: in list order or shuffled, back to back or with gaps.
+ * Returns the host bytes they span. */
+static size_t place_runs(pd_kv_run *runs, int n_runs, bool shuffle, bool gaps) {
+  int *order = xmalloc((size_t)n_runs * sizeof *order);
+  for (int r = 0; r < n_runs; r++) order[r] = r;
+  for (int r = n_runs - 1; shuffle && r > 0; r--) {
+    int j = (int)urand((size_t)r + 1), t = order[r];
+    order[r] = order[j];
+    order[j] = t;
+  }
+  size_t pos = 0;
+  for (int k = 0; k < n_runs; k++) {
+    pd_kv_run *R = &runs[order[k]];
+    if (gaps) pos += urand(40);
+    R->host_off = pos;
+    pos += (size_t)R->n * R->seg_bytes;
+  }
+  free(order);
+  return pos + (gaps ? urand(40) : 0);
+}
+
+static void batched_ops(uint8_t *pinned, size_t pinned_cap) {
+  mirror m;
+  mirror_new(&m, (size_t)96 << 20);
+  REQUIRE(g_gpu->ops.kv_gather_runs && g_gpu->ops.kv_scatter_runs && g_cpu->ops.kv_gather_runs);
+  /* random mixes: run r in its own 1 MiB region of the mirror (so scatters never overlap) */
+  const size_t region = (size_t)1 << 20;
+  for (int iter = 0; iter < 80; iter++) {
+    const int n_runs = 1 + (int)urand(12);
+    pd_kv_run runs[12];
+    int32_t *ids[12];
+    for (int r = 0; r < n_runs; r++) {
+      const bool aligned = urand(2);
+      size_t seg, stride, offset;
+      if (aligned) {
+        seg = 16 * (1 + urand(urand(4) ? 64 : 2048));
+        stride = seg + 16 * urand(4);
+        offset = 16 * urand(4);
+      } else {
+        seg = 1 + urand(urand(4) ? 300 : 20000);
+        stride = seg + urand(70);
+        offset = urand(40);
+      }
+      if (urand(8) == 0) stride = seg;
+      const int slots = (int)((region - offset - seg) / stride) + 1;
+      int cap = (int)(((size_t)2 << 20) / (seg * (size_t)n_runs)) + 1;
+      if (cap > slots) cap = slots;
+      const int n = urand(10) == 0 ? 0 : (int)urand((size_t)cap) + 1;
+      ids[r] = make_ids(n ? n : 1, slots, true);
+      runs[r] = (pd_kv_run){(const void *)(uintptr_t)(r * region), ids[r], n, stride, offset, seg,
+                            0};
+    }
+    const size_t host_bytes = place_runs(runs, n_runs, urand(3) == 0, urand(2));
+    char what[64];
+    snprintf(what, sizeof what, "runs %d", iter);
+    runs_case(&m, what, runs, n_runs, host_bytes, true, pinned, pinned_cap);
+    for (int r = 0; r < n_runs; r++) free(ids[r]);
+  }
+  /* several batches: 4 runs of 640 x 16 KiB (40 MiB) back to back */
+  {
+    pd_kv_run runs[4];
+    int32_t *ids = make_ids(4 * 640, (int)(m.bytes / 16384), true);
+    for (int r = 0; r < 4; r++)
+      runs[r] = (pd_kv_run){0, ids + r * 640, 640, 16384, 0, 16384, 0};
+    size_t hb = place_runs(runs, 4, false, false);
+    runs_case(&m, "40 MiB in 4 runs", runs, 4, hb, true, pinned, pinned_cap);
+    free(ids);
+  }
+  /* a 33 MiB segment (moved in pieces) between small unaligned runs, with gaps */
+  {
+    const size_t big = ((size_t)33 << 20) + 5;
+    int32_t one = 1, small[3] = {5, 0, 9};
+    pd_kv_run runs[3] = {
+        {(const void *)(uintptr_t)((size_t)70 << 20), small, 3, 1001, 3, 999, 0},
+        {0, &one, 1, big + 7, 11, big, 0},
+        {(const void *)(uintptr_t)((size_t)80 << 20), small, 3, 4096, 0, 4096, 0},
+    };
+    size_t hb = place_runs(runs, 3, true, true);
+    runs_case(&m, "a 33 MiB segment among small runs", runs, 3, hb, true, pinned, pinned_cap);
+  }
+  /* more ids than a batch (1 << 20): 1.2M 16-byte segments in two runs */
+  {
+    int32_t *ids = make_ids(1200000, (int)(m.bytes / 64), true);
+    pd_kv_run runs[2] = {{0, ids, 700000, 64, 16, 16, 0}, {0, ids + 700000, 500000, 64, 16, 16, 0}};
+    size_t hb = place_runs(runs, 2, false, false);
+    runs_case(&m, "1.2M ids in 2 runs", runs, 2, hb, true, pinned, pinned_cap);
+    free(ids);
+  }
+  /* more pieces than a batch's table (32768): 40,000 runs of one 24-byte segment */
+  {
+    const int nr = 40000;
+    int32_t *ids = make_ids(nr, (int)(m.bytes / 40), true);
+    pd_kv_run *runs = xmalloc((size_t)nr * sizeof *runs);
+    for (int r = 0; r < nr; r++) runs[r] = (pd_kv_run){0, ids + r, 1, 40, 8, 24, 0};
+    size_t hb = place_runs(runs, nr, true, false);
+    runs_case(&m, "40,000 one-segment runs", runs, nr, hb, true, pinned, pinned_cap);
+    free(runs);
+    free(ids);
+  }
+  /* nothing to do: no runs, empty runs */
+  {
+    uint8_t sentinel[16];
+    memset(sentinel, 0x77, sizeof sentinel);
+    int32_t id0 = 0;
+    pd_kv_run empty[2] = {{m.dev, &id0, 0, 64, 0, 64, 0}, {m.dev, &id0, 1, 64, 0, 0, 0}};
+    g_gpu->ops.kv_gather_runs(g_gpu, sentinel, empty, 0);
+    g_gpu->ops.kv_gather_runs(g_gpu, sentinel, empty, 2);
+    g_gpu->ops.kv_scatter_runs(g_gpu, sentinel, empty, 2);
+    bool same = true;
+    for (size_t i = 0; i < sizeof sentinel; i++) same &= sentinel[i] == 0x77;
+    CHECK(same);
+  }
+  backend_ok("batched ops");
+
+  /* one frame of 12 runs of 10 x 32 KiB (3.75 MiB): 12 calls against one batched call */
+  {
+    enum { RUNS = 12, NB = 10 };
+    const size_t seg = 32768, stride = 8 * seg;
+    int32_t *ids = make_ids(NB, (int)(m.bytes / RUNS / stride), true); /* inside 1/12th */
+    pd_kv_run runs[RUNS];
+    for (int r = 0; r < RUNS; r++)
+      runs[r] = (pd_kv_run){(const uint8_t *)m.dev + (size_t)r * (m.bytes / RUNS / stride) * stride,
+                            ids, NB, stride, 0, seg, (size_t)r * NB * seg};
+    const size_t bytes = (size_t)RUNS * NB * seg;
+    uint8_t *pageable = xmalloc(bytes);
+    for (int kind = 0; kind < 2; kind++) {
+      uint8_t *h = kind ? pinned : pageable;
+      double t[4];
+      for (int way = 0; way < 4; way++) { /* gather per run, batched; scatter per run, batched */
+        double best = 1e9;
+        for (int rep = 0; rep < 20; rep++) {
+          double t0 = now();
+          if (way == 0)
+            for (int r = 0; r < RUNS; r++)
+              g_gpu->ops.kv_gather(g_gpu, h + runs[r].host_off, runs[r].base, ids, NB, stride, 0,
+                                   seg);
+          else if (way == 1)
+            g_gpu->ops.kv_gather_runs(g_gpu, h, runs, RUNS);
+          else if (way == 2)
+            for (int r = 0; r < RUNS; r++)
+              g_gpu->ops.kv_scatter(g_gpu, (void *)runs[r].base, h + runs[r].host_off, ids, NB,
+                                    stride, 0, seg);
+          else
+            g_gpu->ops.kv_scatter_runs(g_gpu, h, runs, RUNS);
+          double dt = now() - t0;
+          if (dt < best) best = dt;
+        }
+        t[way] = best;
+      }
+      printf("a 3.75 MiB frame of 12 runs, %s host: gather %.0f us in 12 calls, %.0f us in one "
+             "kv_gather_runs; scatter %.0f us / %.0f us\n", kind ? "page-locked" : "pageable",
+             1e6 * t[0], 1e6 * t[1], 1e6 * t[2], 1e6 * t[3]);
+    }
+    free(pageable);
+    free(ids);
+    backend_ok("frame timing");
+  }
+  mirror_free(&m);
+}
+
 /* ---- pd_kvstage on a device cache against pd_kvpack on a host copy ---- */
 
 typedef struct dcache {
@@ -317,16 +542,19 @@ static void kvstage_case(int iter, pd_kvstage *st) {
   REQUIRE(pd_kvpack_pack_range(&src.host_g, &s, src_ids, n, 0, ref, size, &e) == PD_OK);
   /* frames of random sizes, as a prefill node cuts them */
   size_t frame = 1 + urand(urand(2) ? size : 4096);
+  /* frames malloc'ed one by one, like ZeroMQ messages, or cut from one page-locked buffer */
+  uint8_t *pinned = urand(3) == 0 ? g_gpu->ops.host_alloc(g_gpu, size) : NULL;
   bool ok = true;
   for (size_t off = 0; off < size; off += frame) {
     size_t len = size - off < frame ? size - off : frame;
-    uint8_t *f = xmalloc(len); /* its own malloc'ed frame, like a ZeroMQ message */
+    uint8_t *f = pinned ? pinned + off : xmalloc(len);
     ok &= pd_kvstage_pack_range(st, &src.dev_g, &s, src_ids, n, off, f, len, &e) == PD_OK;
     memcpy(got + off, f, len);
-    free(f);
+    if (!pinned) free(f);
   }
-  CHECKF(ok && !memcmp(got, ref, size), "kvstage %d: device pack != host pack (%s)", iter,
-         ok ? "bytes differ" : e.msg);
+  if (pinned) g_gpu->ops.host_free(g_gpu, pinned);
+  CHECKF(ok && !memcmp(got, ref, size), "kvstage %d: device pack != host pack (%s%s)", iter,
+         ok ? "bytes differ" : e.msg, g_gpu->ops.kv_gather_runs ? ", batched" : "");
   /* unpack into a receiver holding heads [dst_off, dst_off + dst_heads) */
   dcache dst;
   dcache_new(&dst, L, dst_blocks, dst_heads, dst_off, bs, hd, dt);
@@ -340,8 +568,9 @@ static void kvstage_case(int iter, pd_kvstage *st) {
   }
   CHECKF(ok && dcache_same(&dst),
          "kvstage %d: device unpack != host unpack (L=%d bs=%d hd=%d dt=%d, slice heads [%d,%d), "
-         "receiver [%d,%d), n=%d, frames of %zu) %s", iter, L, bs, hd, (int)dt, s.head_begin,
-         s.head_end, dst_off, dst_off + dst_heads, n, frame, ok ? "" : e.msg);
+         "receiver [%d,%d), n=%d, frames of %zu%s) %s", iter, L, bs, hd, (int)dt, s.head_begin,
+         s.head_end, dst_off, dst_off + dst_heads, n, frame,
+         g_gpu->ops.kv_scatter_runs ? ", batched" : "", ok ? "" : e.msg);
   backend_ok("kvstage");
   dcache_free(&dst);
   dcache_free(&src);
@@ -373,9 +602,18 @@ int main(void) {
 
   random_segments(pinned, pinned_cap);
   large_calls(pinned, pinned_cap);
+  batched_ops(pinned, pinned_cap);
   pd_kvstage *st = pd_kvstage_new(g_gpu, (size_t)(1 + urand(3)) << 10, &e);
   REQUIRE(st);
-  for (int iter = 0; iter < 60; iter++) kvstage_case(iter, st);
+  for (int iter = 0; iter < 60; iter++) kvstage_case(iter, st); /* batched */
+  void (*gather_runs)(pd_backend *, void *, const pd_kv_run *, int) = g_gpu->ops.kv_gather_runs;
+  void (*scatter_runs)(pd_backend *, const void *, const pd_kv_run *, int) =
+      g_gpu->ops.kv_scatter_runs;
+  g_gpu->ops.kv_gather_runs = NULL; /* per run: kv_gather / kv_scatter */
+  g_gpu->ops.kv_scatter_runs = NULL;
+  for (int iter = 60; iter < 120; iter++) kvstage_case(iter, st);
+  g_gpu->ops.kv_gather_runs = gather_runs;
+  g_gpu->ops.kv_scatter_runs = scatter_runs;
   pd_kvstage_free(st);
 
   g_gpu->ops.host_free(g_gpu, pinned);

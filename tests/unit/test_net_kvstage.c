@@ -6,8 +6,14 @@
  * overlapping range or none of the slice's heads) with bounce buffers from 1 byte up, from
  * malloc and from a host_alloc hook. Checks the number of backend calls (one per (layer, K/V)
  * plus at most two for the range's cut segments) and that every error of the host path comes
- * back with the same code before anything is copied. The CUDA ops are compared with these in
- * tests/gpu/test_cuda_kvstage.c. */
+ * back with the same code before anything is copied. All of it twice: with the batched ops
+ * (kv_gather_runs / kv_scatter_runs: exactly ONE call per range, resharded unpacks included) and
+ * with them removed from the table (kv_gather / kv_scatter: one call per (layer, K/V) plus at most
+ * two for cut segments). The batched CPU ops themselves are checked against kv_gather /
+ * kv_scatter (runs with gaps between them in the host buffer, which a gather must not touch), and
+ * a few hand-picked ranges (one segment piece only, cuts inside segments, several layers, block
+ * ids out of order, resharded unpack) are compared on both paths. The CUDA ops are compared with
+ * these in tests/gpu/test_cuda_kvstage.c. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,7 +39,10 @@ static void (*real_gather)(pd_backend *, void *, const void *, const int32_t *, 
                            size_t, size_t);
 static void (*real_scatter)(pd_backend *, void *, const void *, const int32_t *, int, size_t,
                             size_t, size_t);
-static int n_calls, n_host_alloc, n_host_free;
+static void (*real_gather_runs)(pd_backend *, void *, const pd_kv_run *, int);
+static void (*real_scatter_runs)(pd_backend *, const void *, const pd_kv_run *, int);
+static int n_calls, n_batch_calls, n_host_alloc, n_host_free, last_n_runs;
+static bool g_batched; /* the batched ops are in the table */
 
 static void count_gather(pd_backend *be, void *host, const void *base, const int32_t *ids, int n,
                          size_t stride, size_t offset, size_t seg) {
@@ -44,6 +53,23 @@ static void count_scatter(pd_backend *be, void *base, const void *host, const in
                           size_t stride, size_t offset, size_t seg) {
   n_calls++;
   real_scatter(be, base, host, ids, n, stride, offset, seg);
+}
+static void count_gather_runs(pd_backend *be, void *host, const pd_kv_run *runs, int n_runs) {
+  n_batch_calls++;
+  last_n_runs = n_runs;
+  real_gather_runs(be, host, runs, n_runs);
+}
+static void count_scatter_runs(pd_backend *be, const void *host, const pd_kv_run *runs,
+                               int n_runs) {
+  n_batch_calls++;
+  last_n_runs = n_runs;
+  real_scatter_runs(be, host, runs, n_runs);
+}
+/* batched: the counted batched ops in the table; else none (the per-run ops only) */
+static void set_batched(bool batched) {
+  g_batched = batched;
+  g_be->ops.kv_gather_runs = batched ? count_gather_runs : NULL;
+  g_be->ops.kv_scatter_runs = batched ? count_scatter_runs : NULL;
 }
 static void *fake_host_alloc(pd_backend *be, size_t bytes) {
   (void)be;
@@ -190,22 +216,32 @@ static void random_case(int iter) {
   bool ok = true;
   for (int f = 0; f < nf; f++) {
     size_t off = cuts[f], len = cuts[f + 1] - cuts[f];
-    n_calls = 0;
+    n_calls = n_batch_calls = 0;
     pd_status r = pd_kvstage_pack_range(st, &src.g, &s, src_ids, n, off, got + off, len, &e);
     ok &= r == PD_OK;
     int touched = runs_touched(off, len, run);
-    CHECKF(n_calls <= touched + 2, "iter %d: pack of [%zu, +%zu) took %d calls for %d runs", iter,
-           off, len, n_calls, touched);
+    if (g_batched)
+      CHECKF(n_calls == 0 && n_batch_calls == 1, "iter %d: batched pack of [%zu, +%zu) took %d "
+             "+ %d calls", iter, off, len, n_calls, n_batch_calls);
+    else
+      CHECKF(n_calls <= touched + 2 && n_batch_calls == 0,
+             "iter %d: pack of [%zu, +%zu) took %d calls for %d runs", iter, off, len, n_calls,
+             touched);
   }
   CHECKF(ok && !memcmp(got, ref, size),
          "iter %d: staged pack != host pack (L=%d bs=%d hd=%d dt=%d heads [%d,%d) of [%d,%d), "
          "n=%d, %d frames)", iter, L, bs, hd, (int)dt, s.head_begin, s.head_end, src_off,
          src_off + src_heads, n, nf);
   /* a whole slice in one call: exactly one call per (layer, K/V) */
-  n_calls = 0;
+  n_calls = n_batch_calls = 0;
   CHECK(pd_kvstage_pack_range(st, &src.g, &s, src_ids, n, 0, got, size, &e) == PD_OK);
-  CHECKF(n_calls == 2 * (s.layer_end - s.layer_begin), "iter %d: whole slice took %d calls", iter,
-         n_calls);
+  if (g_batched)
+    CHECKF(n_calls == 0 && n_batch_calls == 1, "iter %d: whole slice took %d + %d calls", iter,
+           n_calls, n_batch_calls);
+  else
+    CHECKF(n_calls == 2 * (s.layer_end - s.layer_begin), "iter %d: whole slice took %d calls",
+           iter, n_calls);
+  CHECKF(!memcmp(got, ref, size), "iter %d: whole-slice staged pack != host pack", iter);
 
   /* unpack: frames in random order into two equal caches, host path vs stage path */
   cache dst_host, dst_stage;
@@ -226,13 +262,21 @@ static void random_case(int iter) {
     int f = order[k];
     size_t off = cuts[f], len = cuts[f + 1] - cuts[f];
     pd_status a = pd_kvpack_unpack_range(&dst_host.g, &s, dst_ids, n, off, ref + off, len, &e);
-    n_calls = 0;
+    n_calls = n_batch_calls = 0;
     pd_status b =
         pd_kvstage_unpack_range(st, &dst_stage.g, &s, dst_ids, n, off, ref + off, len, &e);
     ok &= a == PD_OK && b == PD_OK;
     int touched = runs_touched(off, len, run);
     if (lo >= hi) {
-      CHECKF(n_calls == 0, "iter %d: %d calls for a receiver without the heads", iter, n_calls);
+      CHECKF(n_calls == 0 && n_batch_calls == 0,
+             "iter %d: %d + %d calls for a receiver without the heads", iter, n_calls,
+             n_batch_calls);
+    } else if (g_batched) {
+      /* resharded: a range over non-held bytes only makes no call */
+      const bool all = hi - lo == s.head_end - s.head_begin;
+      CHECKF(n_calls == 0 && (all ? n_batch_calls == 1 : n_batch_calls <= 1),
+             "iter %d: batched unpack of [%zu, +%zu) took %d + %d calls", iter, off, len,
+             n_calls, n_batch_calls);
     } else if (hi - lo == s.head_end - s.head_begin) {
       CHECKF(n_calls <= touched + 2, "iter %d: unpack of [%zu, +%zu) took %d calls for %d runs",
              iter, off, len, n_calls, touched);
@@ -294,14 +338,14 @@ static void errors(void) {
                                                 cases[i].off, b, cases[i].len, &eh)
                          : pd_kvpack_unpack_range(g, &cases[i].s, cases[i].ids, cases[i].n,
                                                   cases[i].off, b, cases[i].len, &eh);
-      n_calls = 0;
+      n_calls = n_batch_calls = 0;
       pd_status r = pack ? pd_kvstage_pack_range(st, g, &cases[i].s, cases[i].ids, cases[i].n,
                                                  cases[i].off, b, cases[i].len, &es)
                          : pd_kvstage_unpack_range(st, g, &cases[i].s, cases[i].ids, cases[i].n,
                                                    cases[i].off, b, cases[i].len, &es);
-      CHECKF(h != PD_OK && r == h && n_calls == 0,
-             "%s (%s): host %d, stage %d (%s), %d calls", cases[i].what,
-             pack ? "pack" : "unpack", (int)h, (int)r, es.msg, n_calls);
+      CHECKF(h != PD_OK && r == h && n_calls == 0 && n_batch_calls == 0,
+             "%s (%s): host %d, stage %d (%s), %d + %d calls", cases[i].what,
+             pack ? "pack" : "unpack", (int)h, (int)r, es.msg, n_calls, n_batch_calls);
     }
   }
   /* pack needs every slice head held: dst holds [2, 4) only */
@@ -311,9 +355,9 @@ static void errors(void) {
   /* a NULL stage */
   CHECK(pd_kvstage_pack_range(NULL, &src.g, &s, ids, 4, 0, buf, 64, &es) == PD_EINVAL);
   /* zero bytes: fine, no call */
-  n_calls = 0;
+  n_calls = n_batch_calls = 0;
   CHECK(pd_kvstage_unpack_range(st, &dst.g, &s, ids, 4, 100, buf, 0, &es) == PD_OK);
-  CHECK(n_calls == 0 && cache_eq(&dst, &dst0));
+  CHECK(n_calls == 0 && n_batch_calls == 0 && cache_eq(&dst, &dst0));
   /* a backend without the ops */
   pd_backend bare = *g_be;
   bare.ops.kv_gather = NULL;
@@ -360,17 +404,159 @@ static void cpu_ops(void) {
   free(want);
 }
 
+/* The batched CPU ops against kv_gather / kv_scatter run by run: up to 6 runs over separate
+ * buffers, any stride / offset / size, empty runs, runs placed in the host buffer in any order
+ * with gaps, which a gather leaves as they were. */
+static void cpu_runs_ops(void) {
+  enum { BYTES = 2048, RUNS = 6, HOST = RUNS * BYTES + RUNS * 8 };
+  uint8_t *base[RUNS], *want_base[RUNS];
+  uint8_t *host = malloc(HOST), *want = malloc(HOST);
+  REQUIRE(host && want);
+  for (int r = 0; r < RUNS; r++) {
+    base[r] = malloc(BYTES);
+    want_base[r] = malloc(BYTES);
+    REQUIRE(base[r] && want_base[r]);
+  }
+  for (int iter = 0; iter < 200; iter++) {
+    int n_runs = irand(RUNS + 1), order[RUNS];
+    pd_kv_run runs[RUNS];
+    int32_t ids[RUNS][40];
+    for (int r = 0; r < RUNS; r++) order[r] = r;
+    for (int r = RUNS - 1; r > 0; r--) { /* host placement order */
+      int j = irand(r + 1), t = order[r];
+      order[r] = order[j];
+      order[j] = t;
+    }
+    for (int r = 0; r < n_runs; r++) {
+      for (int i = 0; i < BYTES; i++) base[r][i] = (uint8_t)rnd();
+      size_t seg = (size_t)irand(50), stride = seg + (size_t)irand(9) + (seg == 0);
+      size_t offset = (size_t)irand(7);
+      int slots = (int)((BYTES - offset - seg) / stride) + 1;
+      if (slots > 40) slots = 40;
+      int n = irand(slots + 1);
+      pick_blocks(ids[r], n, slots);
+      runs[r] = (pd_kv_run){base[r], ids[r], n, stride, offset, seg, 0};
+    }
+    size_t pos = 0;
+    for (int k = 0; k < RUNS; k++) {
+      int r = order[k];
+      if (r >= n_runs) continue;
+      pos += (size_t)irand(8); /* a gap */
+      runs[r].host_off = pos;
+      pos += (size_t)runs[r].n * runs[r].seg_bytes;
+    }
+    /* gather */
+    for (int i = 0; i < HOST; i++) host[i] = want[i] = (uint8_t)rnd();
+    for (int r = 0; r < n_runs; r++)
+      g_be->ops.kv_gather(g_be, want + runs[r].host_off, runs[r].base, runs[r].ids, runs[r].n,
+                          runs[r].stride, runs[r].offset, runs[r].seg_bytes);
+    g_be->ops.kv_gather_runs(g_be, host, runs, n_runs);
+    CHECKF(!memcmp(host, want, HOST), "cpu kv_gather_runs: iter %d, %d runs", iter, n_runs);
+    /* scatter */
+    for (int i = 0; i < HOST; i++) host[i] = (uint8_t)rnd();
+    for (int r = 0; r < n_runs; r++) {
+      memcpy(want_base[r], base[r], BYTES);
+      g_be->ops.kv_scatter(g_be, want_base[r], host + runs[r].host_off, runs[r].ids, runs[r].n,
+                           runs[r].stride, runs[r].offset, runs[r].seg_bytes);
+    }
+    g_be->ops.kv_scatter_runs(g_be, host, runs, n_runs);
+    bool ok = true;
+    for (int r = 0; r < n_runs; r++) ok &= !memcmp(base[r], want_base[r], BYTES);
+    CHECKF(ok, "cpu kv_scatter_runs: iter %d, %d runs", iter, n_runs);
+  }
+  for (int r = 0; r < RUNS; r++) {
+    free(base[r]);
+    free(want_base[r]);
+  }
+  free(host);
+  free(want);
+}
+
+/* Hand-picked ranges of a 3-layer slice (4 heads, segments of 120 bytes, 4 blocks listed out of
+ * order), packed and unpacked (into a full receiver and into one holding heads [1, 3) only)
+ * through the stage, against the host path. */
+static void fixed_ranges(void) {
+  cache src;
+  cache_new(&src, 3, 10, 4, 0, 3, 5, PD_DTYPE_F16);
+  const pd_kv_slice s = {0, 3, 0, 4};
+  const int32_t src_ids[4] = {7, 2, 9, 0}, dst_ids[4] = {3, 8, 1, 5};
+  const size_t seg = pd_kvpack_segment_bytes(&src.g, &s), run = 4 * seg;
+  const size_t size = pd_kvpack_size(&src.g, &s, 4);
+  REQUIRE(seg == 120 && size == 6 * run);
+  struct {
+    const char *what;
+    size_t off, len;
+    int runs; /* runs of the batched call, full receiver */
+  } cases[] = {
+      {"a piece of one segment", seg / 2, 3, 1},
+      {"the end of one segment and the start of the next", seg - 1, 2, 2},
+      {"one whole segment", 2 * seg, seg, 1},
+      {"across K and V of a layer", run - 5, 10, 2},
+      {"several layers, cut inside segments", seg + 7, 2 * run + 13, 5},
+      {"the whole slice", 0, size, 6},
+      {"the last byte", size - 1, 1, 1},
+  };
+  uint8_t *ref = malloc(size), *got = malloc(size);
+  REQUIRE(ref && got);
+  pd_err e = {0};
+  REQUIRE(pd_kvpack_pack_range(&src.g, &s, src_ids, 4, 0, ref, size, &e) == PD_OK);
+  for (int batched = 0; batched < 2; batched++) {
+    set_batched(batched);
+    pd_kvstage *st = pd_kvstage_new(g_be, 0, &e);
+    REQUIRE(st);
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+      const size_t off = cases[c].off, len = cases[c].len;
+      memset(got, 0, size);
+      n_calls = n_batch_calls = 0;
+      CHECK(pd_kvstage_pack_range(st, &src.g, &s, src_ids, 4, off, got, len, &e) == PD_OK);
+      CHECKF(!memcmp(got, ref + off, len), "%s (%s): pack", cases[c].what,
+             batched ? "batched" : "per run");
+      if (batched)
+        CHECKF(n_calls == 0 && n_batch_calls == 1 && last_n_runs == cases[c].runs,
+               "%s: pack took %d + %d calls, %d runs", cases[c].what, n_calls, n_batch_calls,
+               last_n_runs);
+      for (int reshard = 0; reshard < 2; reshard++) {
+        cache dh, ds;
+        cache_new(&dh, 3, 10, reshard ? 2 : 4, reshard ? 1 : 0, 3, 5, PD_DTYPE_F16);
+        cache_copy(&ds, &dh);
+        CHECK(pd_kvpack_unpack_range(&dh.g, &s, dst_ids, 4, off, ref + off, len, &e) == PD_OK);
+        n_calls = n_batch_calls = 0;
+        CHECK(pd_kvstage_unpack_range(st, &ds.g, &s, dst_ids, 4, off, ref + off, len, &e) ==
+              PD_OK);
+        CHECKF(cache_eq(&dh, &ds), "%s (%s%s): unpack", cases[c].what,
+               batched ? "batched" : "per run", reshard ? ", resharded" : "");
+        if (batched)
+          CHECKF(n_calls == 0 && n_batch_calls <= 1 && (reshard || n_batch_calls == 1),
+                 "%s: unpack took %d + %d calls", cases[c].what, n_calls, n_batch_calls);
+        cache_free(&dh);
+        cache_free(&ds);
+      }
+    }
+    pd_kvstage_free(st);
+  }
+  free(ref);
+  free(got);
+  cache_free(&src);
+}
+
 int main(void) {
   pd_err e = {0};
   pd_backend_opts bo = {.n_threads = 1};
   g_be = pd_backend_cpu_create(&bo, &e);
   REQUIRE(g_be);
   REQUIRE(g_be->ops.kv_gather && g_be->ops.kv_scatter);
+  REQUIRE(g_be->ops.kv_gather_runs && g_be->ops.kv_scatter_runs);
   cpu_ops();
+  cpu_runs_ops();
   real_gather = g_be->ops.kv_gather;
   real_scatter = g_be->ops.kv_scatter;
+  real_gather_runs = g_be->ops.kv_gather_runs;
+  real_scatter_runs = g_be->ops.kv_scatter_runs;
   g_be->ops.kv_gather = count_gather;
   g_be->ops.kv_scatter = count_scatter;
+  fixed_ranges();
+  /* per-run ops only (the batched ones removed from the table) */
+  set_batched(false);
   for (int iter = 0; iter < 400; iter++) random_case(iter);
   /* the same with a host_alloc hook: the resharding bounce comes from it and goes back to it */
   g_be->ops.host_alloc = fake_host_alloc;
@@ -379,10 +565,18 @@ int main(void) {
   CHECKF(n_host_alloc > 0 && n_host_alloc == n_host_free, "host_alloc %d, host_free %d",
          n_host_alloc, n_host_free);
   errors();
+  /* batched: one call per range; resharding needs no bounce buffer */
+  set_batched(true);
+  const int allocs = n_host_alloc;
+  for (int iter = 600; iter < 1000; iter++) random_case(iter);
+  CHECKF(n_host_alloc == allocs, "batched path: %d bounce allocations", n_host_alloc - allocs);
+  errors();
   g_be->ops.host_alloc = NULL;
   g_be->ops.host_free = NULL;
   g_be->ops.kv_gather = real_gather;
   g_be->ops.kv_scatter = real_scatter;
+  g_be->ops.kv_gather_runs = real_gather_runs;
+  g_be->ops.kv_scatter_runs = real_scatter_runs;
   pd_backend_destroy(g_be);
   return pd_test_finish("test_net_kvstage");
 }

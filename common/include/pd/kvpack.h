@@ -108,31 +108,38 @@ pd_status pd_kvpack_unpack_range(const pd_kv_pages *dst, const pd_kv_slice *s,
  * In the staging buffer, the n_blocks segments of one (layer, K/V) form one contiguous run of
  * n_blocks * segment_bytes, and in the cache each segment is one contiguous run too (heads are
  * outermost in a block): segment i lies at k_or_v + block_ids[i] * block_bytes + (first head's
- * offset). So the part of a run inside [off, off + len) costs:
- *   - ONE kv_gather / kv_scatter of all its whole segments, straight to or from buf
- *     (stride = block_bytes, offset = first head's byte offset, seg_bytes = segment_bytes);
+ * offset). So the part of a run inside [off, off + len) is:
+ *   - one pd_kv_run of all its whole segments, straight to or from buf (stride = block_bytes,
+ *     offset = first head's byte offset, seg_bytes = segment_bytes);
  *   - at most two more, of one segment each, for a segment cut by the range's ends (the ops
  *     take any offset and size, so a cut segment moves just its bytes, also straight to buf).
- * A layer chunk of L layers is therefore 2 L calls (+2 at frame cuts), whatever n_blocks is; on
- * CUDA each call is an id upload, a copy kernel into device staging and one device-to-host
- * copy (or the reverse), at PCIe speed also for pageable buf (the backend stages it through its
- * pinned buffers).
+ * With the backend's batched ops (kv_gather_runs / kv_scatter_runs; the CPU and CUDA backends
+ * have them) every run of the range goes in ONE call: a frame costs one call, whatever its
+ * number of layers and cut segments; on CUDA that is one upload of the run table and ids, one
+ * copy kernel, one device-to-host copy of the frame's bytes (or the reverse) and one sync, at
+ * PCIe speed also for pageable buf (the backend stages it through its pinned chunks; a
+ * page-locked buf is copied to directly). Without them each run is one kv_gather / kv_scatter:
+ * 2 L calls for a frame of L layers (+2 at frame cuts), each with the fixed cost of a call.
  *
  * Head resharding (unpack into a cache holding only some of the slice's heads): the held heads
- * are a strided sub-run of each staging segment, so the held parts are first compacted into a
- * bounce buffer owned by the pd_kvstage (page-locked from be->ops.host_alloc when the backend has
- * it, else malloc; allocated at the first such transfer, at most bounce_bytes long unless one
- * segment needs more), then scattered in batches: one call per bounce-full.
+ * are a strided part of each staging segment. Batched: one run per touched segment (its held
+ * part, straight from buf), still ONE call for the range. Per-run ops: the held parts are first
+ * compacted into a bounce buffer owned by the pd_kvstage (page-locked from be->ops.host_alloc
+ * when the backend has it, else malloc; allocated at the first such transfer, at most
+ * bounce_bytes long unless one segment needs more), then scattered in batches: one call per
+ * bounce-full.
  *
  * Errors: the argument and geometry errors of the host functions (PD_EINVAL, PD_ERANGE), before
- * anything is copied; PD_EUNSUPPORTED for a backend without kv_gather / kv_scatter; PD_EBACKEND
+ * anything is copied; PD_ENOMEM when the run list cannot grow (nothing copied either);
+ * PD_EUNSUPPORTED for a backend without kv_gather / kv_scatter; PD_EBACKEND
  * when the backend reports a failure of its ops (CUDA: pd_backend_cuda_status, which is sticky:
  * the backend should be treated as failed). A failed unpack may have written part of the range.
  * A pd_kvstage is used by one thread at a time, the thread that uses its backend. */
 typedef struct pd_kvstage pd_kvstage;
 
 /* A stage for backend be (which must outlive it). bounce_bytes: bounce buffer size for head
- * resharding (0 = 4 MiB). NULL with e set when be has no kv_gather / kv_scatter or on ENOMEM. */
+ * resharding with the per-run ops (0 = 4 MiB); the batched calls' run list is kept (grown only)
+ * by the stage. NULL with e set when be has no kv_gather / kv_scatter or on ENOMEM. */
 pd_kvstage *pd_kvstage_new(pd_backend *be, size_t bounce_bytes, pd_err *e);
 void pd_kvstage_free(pd_kvstage *st);
 

@@ -42,6 +42,18 @@ typedef struct pd_kv_shape {
   pd_dtype dtype; /* F32 on the CPU backend; F16/BF16 also allowed */
 } pd_kv_shape;
 
+/* One run of KV staging segments for kv_gather_runs / kv_scatter_runs: n segments of seg_bytes,
+ * segment j at (char *)base + ids[j] * stride + offset in backend memory (base: a layer's k or
+ * v; ids: HOST memory, >= 0) and at host + host_off + j * seg_bytes in the call's host buffer.
+ * n == 0 or seg_bytes == 0: nothing (base and ids may then be NULL). */
+typedef struct pd_kv_run {
+  const void *base;
+  const int32_t *ids; /* [n], host */
+  int n;
+  size_t stride, offset, seg_bytes;
+  size_t host_off;
+} pd_kv_run;
+
 /* A ragged batch as attention sees it. Sequence s owns the query rows
  * [q_start[s], q_start[s+1]) of the batch; those rows are the newest tokens of the sequence,
  * at positions ctx_len[s] - n_new .. ctx_len[s] - 1, where n_new = q_start[s+1] - q_start[s].
@@ -233,6 +245,16 @@ typedef struct pd_backend_ops {
                     size_t stride, size_t offset, size_t seg_bytes);
   void (*kv_scatter)(pd_backend *be, void *base, const void *host, const int32_t *ids, int n,
                      size_t stride, size_t offset, size_t seg_bytes);
+  /* Optional (may be NULL): many kv_gather / kv_scatter calls in one, so that a device pays its
+   * fixed cost (id upload, launch, copy, sync) once per call instead of once per run (see
+   * pd_kv_run). Run r's segment j lies at (char *)runs[r].base + ids[j] * stride + offset and
+   * at host + runs[r].host_off + j * seg_bytes. The runs' host ranges must not overlap (they may
+   * leave gaps: gather writes no byte outside the runs; scatter may read the bytes between the
+   * lowest and the highest run, so host must be one buffer spanning them). Cache segments of
+   * one scatter call must not overlap either. Completion as kv_gather / kv_scatter: gather
+   * returns when every run's bytes are in host memory, scatter when host may be reused. */
+  void (*kv_gather_runs)(pd_backend *be, void *host, const pd_kv_run *runs, int n_runs);
+  void (*kv_scatter_runs)(pd_backend *be, const void *host, const pd_kv_run *runs, int n_runs);
 
   /* Page-locked host memory (faster, asynchronous copies); NULL on failure. */
   void *(*host_alloc)(pd_backend *be, size_t bytes);
