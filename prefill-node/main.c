@@ -221,6 +221,31 @@ static void links_drain(void) {
   pd_net_msg_clear(&m);
 }
 
+/* Takes nf page-locked frame buffers from the node's pool: all of them (true) or none (false:
+ * the pool is off, at its cap, or the backend has no host_alloc; the caller mallocs). */
+static bool frames_get(void **frames, int nf) {
+  pd_framepool *p = g.node.kv_frames;
+  if (!p || pd_framepool_buf_bytes(p) < g.chunk_bytes) return false;
+  for (int f = 0; f < nf; f++)
+    if (!(frames[f] = pd_framepool_get(p))) {
+      while (f-- > 0) {
+        pd_framepool_release(p, frames[f]);
+        frames[f] = NULL;
+      }
+      return false;
+    }
+  return true;
+}
+
+/* Gives back frames that were not sent. */
+static void frames_put(void **frames, int nf, bool pinned) {
+  for (int f = 0; f < nf; f++) {
+    if (pinned) pd_framepool_release(g.node.kv_frames, frames[f]);
+    else free(frames[f]);
+    frames[f] = NULL;
+  }
+}
+
 /* Packs the request's pages (all layers, all heads, in chunks of whole layers) and queues the
  * headers and KvTransferDone on the decode node's link. On a GPU the pages are gathered from
  * device memory into the frames (pd_node_kv_pack: one kv_gather_runs call per frame);
@@ -258,9 +283,12 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
     pd_status st = PD_OK;
     size_t off = 0;
     double t_pack = 0.0, t_check = 0.0;
+    /* the message's frames all come from the page-locked pool (buffers of chunk_bytes; the
+     * last frame may use less) or, when it cannot give them all, all from malloc */
+    bool pinned = frames_get(frames, nf);
     for (int f = 0; f < nf && st == PD_OK; f++) {
       size_t len = size - off < g.chunk_bytes ? size - off : g.chunk_bytes;
-      frames[f] = malloc(len);
+      if (!pinned) frames[f] = malloc(len);
       if (!frames[f]) {
         st = pd_err_set(e, PD_ENOMEM, "out of memory");
         break;
@@ -278,7 +306,7 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
     pd_metric_add(g.m_kv_pack_s, t_pack);
     pd_metric_add(g.m_kv_check_s, t_check);
     if (st != PD_OK) {
-      for (int f = 0; f < nf; f++) free(frames[f]);
+      frames_put(frames, nf, pinned);
       return st;
     }
     Pd__KvTransferHeader h;
@@ -308,7 +336,9 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
     env.body_case = PD__ENVELOPE__BODY_KV_HEADER;
     env.kv_header = &h;
     const double t_send = pd_mono_s();
-    st = pd_outbox_send(&l->out, &env, frames, lens, nf, e);
+    st = pinned ? pd_outbox_send_owned(&l->out, &env, frames, lens, nf,
+                                       pd_framepool_release_cb, n->kv_frames, e)
+                : pd_outbox_send(&l->out, &env, frames, lens, nf, e);
     pd_metric_add(g.m_kv_send_s, pd_mono_s() - t_send);
     if (st != PD_OK) return st;
     n_chunks++;
@@ -622,6 +652,8 @@ int main(int argc, char **argv) {
          n->node_id, n->model_name, n->pages.num_blocks, n->pages.block_size, o.router_ep,
          pd_statsd_port(n->statsd));
 
+  if (n->kv_frames)
+    pd_log(PD_LOG_INFO, "KV frames in page-locked memory (up to %d MiB)", o.kv_pinned_mb);
   int64_t next_metrics = 0;
   while (!pd_node_stop_flag) {
     int64_t wait = pd_node_tick(n);

@@ -19,6 +19,7 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   o->router_ep = "tcp://127.0.0.1:5600";
   o->bind = "127.0.0.1";
   o->kv_chunk_mb = 4;
+  o->kv_pinned_mb = 256;
   bool decode = role == PD__ROLE__ROLE_DECODE;
   pd_opt opts[48] = {
       {"model", PD_OPT_STR, &o->model_dir, "DIR", "Hugging Face model folder (required)", NULL},
@@ -37,6 +38,8 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
        "HTTP /metrics and /health port (0 = a free one, -1 = off)", NULL},
       {"kv-chunk-mb", PD_OPT_INT, &o->kv_chunk_mb, "MB", "prefill: KV bytes per message (4)",
        NULL},
+      {"kv-pinned-mb", PD_OPT_INT, &o->kv_pinned_mb, "MB",
+       "prefill on a GPU: page-locked memory kept for outgoing KV frames (256, 0 = off)", NULL},
       {"curve-secret-file", PD_OPT_STR, &o->curve_secret_file, "FILE",
        "this node's CURVE keypair (zcert format)", NULL},
       {"curve-secret-key", PD_OPT_STR, &o->curve_secret_key, "Z85",
@@ -50,7 +53,7 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
       {"verbose", PD_OPT_BOOL, &o->verbose, NULL, "debug logs", NULL},
       {"help", PD_OPT_BOOL, &o->help, NULL, "show this help", NULL},
   };
-  int n0 = 16;
+  int n0 = 17;
   if (pd_runtime_opts_table(&o->rt, opts + n0, 48 - n0) < 0) return 1;
   const char *prog = decode ? "pd-decode" : "pd-prefill";
   pd_err e = {0};
@@ -73,6 +76,10 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   }
   if (o->kv_chunk_mb < 1 || o->kv_chunk_mb > 64) {
     fprintf(stderr, "%s: --kv-chunk-mb must be in [1, 64]\n", prog);
+    return 1;
+  }
+  if (o->kv_pinned_mb < 0 || o->kv_pinned_mb > 1048576) {
+    fprintf(stderr, "%s: --kv-pinned-mb must be in [0, 1048576]\n", prog);
     return 1;
   }
   if (o->node_id && !pd_wire_id_ok(o->node_id)) {
@@ -496,6 +503,14 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
       return e->code;
     }
   }
+  /* outgoing KV frames in page-locked memory: one DMA from the device instead of a copy
+   * through the backend's bounce chunks (backends without host_alloc: malloc, as before) */
+  if (role == PD__ROLE__ROLE_PREFILL && o->kv_pinned_mb > 0 && n->rt.be->ops.host_alloc &&
+      n->rt.be->ops.host_free) {
+    n->kv_frames = pd_framepool_new(n->rt.be, (size_t)o->kv_chunk_mb << 20,
+                                    (size_t)o->kv_pinned_mb << 20, e);
+    if (!n->kv_frames) return e->code;
+  }
   const pd_model_config *c = &n->rt.model->cfg;
   n->layers = calloc((size_t)c->num_layers, sizeof *n->layers);
   if (!n->layers) return pd_err_set(e, PD_ENOMEM, "out of memory");
@@ -579,8 +594,10 @@ void pd_node_close(pd_node *n) {
   n->router_sock = NULL;
   pd_curve_auth_stop(n->auth);
   n->auth = NULL;
-  pd_net_ctx_free(n->zctx);
+  pd_net_ctx_free(n->zctx); /* joins ZeroMQ's threads: every frame it held is released */
   n->zctx = NULL;
+  pd_framepool_free(n->kv_frames); /* after zmq_ctx_term, before the backend (framepool.h) */
+  n->kv_frames = NULL;
   pd_kvstage_free(n->kvstage); /* before its backend */
   n->kvstage = NULL;
   pd_runtime_close(&n->rt);

@@ -9,7 +9,9 @@
  *     common flags; the role-specific loops live in prefill-node/ and decode-node/.
  *
  * Threading: everything here belongs to the node's main thread, except the metrics server
- * (its own thread; it reads a pd_metrics registry, which is thread-safe, and an atomic flag). */
+ * (its own thread; it reads a pd_metrics registry, which is thread-safe, and an atomic flag)
+ * and the release of sent payload frames (ZeroMQ's I/O thread: pd_outbox_free_fn,
+ * pd_framepool_release). */
 #ifndef PD_NODE_H
 #define PD_NODE_H
 
@@ -21,6 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "framepool.h"
 #include "pd/kvpack.h"
 #include "pd/metrics.h"
 #include "pd/net.h"
@@ -93,6 +96,16 @@ void pd_outbox_clear(pd_outbox *o);
  * the message now only delays it. */
 pd_status pd_outbox_send(pd_outbox *o, Pd__Envelope *env, void **payload, const size_t *len,
                          int n_payload, pd_err *e);
+/* A payload buffer's release function, in ZeroMQ's zmq_free_fn shape. It runs on whichever
+ * thread lets go of the frame last: ZeroMQ's I/O thread after the send (possibly after the
+ * socket was closed, until zmq_ctx_term returns), or the caller's (pd_outbox_clear, the
+ * drop-oldest path, failures). */
+typedef void pd_outbox_free_fn(void *data, void *hint);
+/* pd_outbox_send whose payload buffers are released with free_fn(buf, hint) instead of free()
+ * (NULL: free()): every payload frame of this message, sent, dropped or failed, exactly once. */
+pd_status pd_outbox_send_owned(pd_outbox *o, Pd__Envelope *env, void **payload,
+                               const size_t *len, int n_payload, pd_outbox_free_fn *free_fn,
+                               void *hint, pd_err *e);
 /* Sends what the socket takes now, in order. Returns the number of messages still queued. */
 size_t pd_outbox_flush(pd_outbox *o);
 
@@ -103,6 +116,7 @@ size_t pd_outbox_flush(pd_outbox *o);
 typedef struct pd_node_opts {
   const char *model_dir, *served_name, *router_ep, *node_id, *bind, *advertise, *ready_file;
   int kv_port, metrics_port, kv_chunk_mb;
+  int kv_pinned_mb; /* prefill: cap of the page-locked KV frame pool in MiB (0 = off) */
   const char *curve_secret_file, *curve_secret_key, *router_public_key, *curve_allow_file;
   bool verbose, help;
   pd_runtime_opts rt;
@@ -138,6 +152,9 @@ struct pd_node {
                                 touch them: use pd_node_kv_pack / pd_node_kv_unpack) */
   pd_kv_layer *layers;       /* [num_layers] backing pages.layers */
   pd_kvstage *kvstage;       /* KV staging through the backend; NULL on host-memory backends */
+  pd_framepool *kv_frames;   /* prefill: page-locked KV frames of kv_chunk_mb MiB (framepool.h);
+                                NULL on backends without host_alloc or with --kv-pinned-mb 0.
+                                Freed by pd_node_close after zmq_ctx_term, before the backend */
   pd_wire_limits lim;        /* receive limits with this node's geometry */
   void *zctx;
   pd_curve_auth *auth;
@@ -216,10 +233,11 @@ pd_status pd_node_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids
 uint64_t pd_node_cache_salt(const char *s);
 
 /* Process-wide malloc settings for a node (call once at start, before threads): KV frames
- * (malloc'ed by the prefill loop and freed by ZeroMQ's I/O thread after the send; received ones
- * malloc'ed by that thread and freed after the unpack) stay on the heap up to 32 MiB, and up to
- * 256 MiB of freed heap stays mapped, so a frame's pages are not page-faulted in again on its
- * first write after the last one's free gave them back. glibc's own dynamic threshold does most
+ * (malloc'ed by the prefill loop when not from its page-locked pool, kv_frames, and freed by
+ * ZeroMQ's I/O thread after the send; received ones malloc'ed by that thread and freed after
+ * the unpack) stay on the heap up to 32 MiB, and up to 256 MiB of freed heap stays mapped, so a
+ * frame's pages are not page-faulted in again on its first write after the last one's free
+ * gave them back. glibc's own dynamic threshold does most
  * of this already after the first free; this makes it hold for every frame. Frames above 32 MiB
  * (--kv-chunk-mb > 32) are still mmapped each time (glibc's cap). Best effort: silent where the
  * allocator (a sanitizer's) ignores it. */

@@ -20,11 +20,19 @@ struct pd_outbox_msg {
   int n_payload;
   void **payload;
   size_t *len;
+  pd_outbox_free_fn *free_fn; /* releases each payload buffer (free_payload: free()) */
+  void *hint;
 };
+
+static void free_payload(void *data, void *hint) {
+  (void)hint;
+  free(data);
+}
 
 static void msg_free(pd_outbox_msg *m) {
   free(m->env);
-  for (int i = 0; i < m->n_payload; i++) free(m->payload[i]);
+  for (int i = 0; i < m->n_payload; i++)
+    if (m->payload[i]) m->free_fn(m->payload[i], m->hint);
   free(m->payload);
   free(m->len);
   free(m);
@@ -47,11 +55,6 @@ void pd_outbox_clear(pd_outbox *o) {
   o->n_msgs = o->n_bytes = 0;
 }
 
-static void free_payload(void *data, void *hint) {
-  (void)hint;
-  free(data);
-}
-
 /* Tries to send m now. 1 = sent (payload buffers handed to ZeroMQ), 0 = not now, -1 = failed
  * for good (dropped). */
 static int try_send(pd_outbox *o, pd_outbox_msg *m) {
@@ -64,11 +67,11 @@ static int try_send(pd_outbox *o, pd_outbox_msg *m) {
   }
   for (int i = 0; i < m->n_payload; i++) {
     zmq_msg_t f;
-    if (zmq_msg_init_data(&f, m->payload[i], m->len[i], free_payload, NULL) != 0) {
+    if (zmq_msg_init_data(&f, m->payload[i], m->len[i], m->free_fn, m->hint) != 0) {
       /* cannot happen with a non-NULL buffer; keep the framing intact with a copy */
       zmq_msg_init_size(&f, m->len[i]);
       memcpy(zmq_msg_data(&f), m->payload[i], m->len[i]);
-      free(m->payload[i]);
+      m->free_fn(m->payload[i], m->hint);
     }
     m->payload[i] = NULL; /* owned by f now */
     int fl = i + 1 < m->n_payload ? ZMQ_SNDMORE : 0;
@@ -82,6 +85,13 @@ static int try_send(pd_outbox *o, pd_outbox_msg *m) {
 
 pd_status pd_outbox_send(pd_outbox *o, Pd__Envelope *env, void **payload, const size_t *len,
                          int n_payload, pd_err *e) {
+  return pd_outbox_send_owned(o, env, payload, len, n_payload, free_payload, NULL, e);
+}
+
+pd_status pd_outbox_send_owned(pd_outbox *o, Pd__Envelope *env, void **payload,
+                               const size_t *len, int n_payload, pd_outbox_free_fn *free_fn,
+                               void *hint, pd_err *e) {
+  if (!free_fn) free_fn = free_payload;
   env->sender = (char *)(o->sender ? o->sender : "");
   env->seq = ++o->seq;
   pd_outbox_msg *m = calloc(1, sizeof *m);
@@ -91,6 +101,8 @@ pd_status pd_outbox_send(pd_outbox *o, Pd__Envelope *env, void **payload, const 
     st = pd_err_set(e, PD_ENOMEM, "out of memory");
     goto fail;
   }
+  m->free_fn = free_fn;
+  m->hint = hint;
   m->env = malloc(cap ? cap : 1);
   if (!m->env) {
     st = pd_err_set(e, PD_ENOMEM, "out of memory");
@@ -134,7 +146,7 @@ pd_status pd_outbox_send(pd_outbox *o, Pd__Envelope *env, void **payload, const 
 fail:
   for (int i = 0; i < n_payload; i++)
     if (payload[i]) {
-      free(payload[i]);
+      free_fn(payload[i], hint);
       payload[i] = NULL;
     }
   if (m) msg_free(m);
