@@ -296,7 +296,7 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
       const double t0 = pd_mono_s();
       st = pd_node_kv_pack(n, &s, ev->block_table, nb, off, frames[f], len, e);
       const double t1 = pd_mono_s();
-      if (g.checksum) crc = pd_crc32(crc, frames[f], len);
+      if (g.checksum) crc = pd_crcpool_crc32(n->kv_crc, crc, frames[f], len);
       t_pack += t1 - t0;
       t_check += pd_mono_s() - t1;
       lens[f] = len;

@@ -20,6 +20,7 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   o->bind = "127.0.0.1";
   o->kv_chunk_mb = 4;
   o->kv_pinned_mb = 256;
+  o->kv_crc_threads = 4;
   bool decode = role == PD__ROLE__ROLE_DECODE;
   pd_opt opts[48] = {
       {"model", PD_OPT_STR, &o->model_dir, "DIR", "Hugging Face model folder (required)", NULL},
@@ -40,6 +41,9 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
        NULL},
       {"kv-pinned-mb", PD_OPT_INT, &o->kv_pinned_mb, "MB",
        "prefill on a GPU: page-locked memory kept for outgoing KV frames (256, 0 = off)", NULL},
+      {"kv-crc-threads", PD_OPT_INT, &o->kv_crc_threads, "N",
+       "threads that checksum a KV message, the loop's included (4; 0 or 1 = the loop only)",
+       NULL},
       {"curve-secret-file", PD_OPT_STR, &o->curve_secret_file, "FILE",
        "this node's CURVE keypair (zcert format)", NULL},
       {"curve-secret-key", PD_OPT_STR, &o->curve_secret_key, "Z85",
@@ -53,7 +57,7 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
       {"verbose", PD_OPT_BOOL, &o->verbose, NULL, "debug logs", NULL},
       {"help", PD_OPT_BOOL, &o->help, NULL, "show this help", NULL},
   };
-  int n0 = 17;
+  int n0 = 18;
   if (pd_runtime_opts_table(&o->rt, opts + n0, 48 - n0) < 0) return 1;
   const char *prog = decode ? "pd-decode" : "pd-prefill";
   pd_err e = {0};
@@ -80,6 +84,10 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   }
   if (o->kv_pinned_mb < 0 || o->kv_pinned_mb > 1048576) {
     fprintf(stderr, "%s: --kv-pinned-mb must be in [0, 1048576]\n", prog);
+    return 1;
+  }
+  if (o->kv_crc_threads < 0 || o->kv_crc_threads > 64) {
+    fprintf(stderr, "%s: --kv-crc-threads must be in [0, 64]\n", prog);
     return 1;
   }
   if (o->node_id && !pd_wire_id_ok(o->node_id)) {
@@ -511,6 +519,9 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
                                     (size_t)o->kv_pinned_mb << 20, e);
     if (!n->kv_frames) return e->code;
   }
+  /* the KV messages' CRC-32 (the loop thread plus kv_crc_threads - 1 workers) */
+  n->kv_crc = pd_crcpool_new(o->kv_crc_threads, e);
+  if (!n->kv_crc) return e->code;
   const pd_model_config *c = &n->rt.model->cfg;
   n->layers = calloc((size_t)c->num_layers, sizeof *n->layers);
   if (!n->layers) return pd_err_set(e, PD_ENOMEM, "out of memory");
@@ -598,6 +609,8 @@ void pd_node_close(pd_node *n) {
   n->zctx = NULL;
   pd_framepool_free(n->kv_frames); /* after zmq_ctx_term, before the backend (framepool.h) */
   n->kv_frames = NULL;
+  pd_crcpool_free(n->kv_crc);
+  n->kv_crc = NULL;
   pd_kvstage_free(n->kvstage); /* before its backend */
   n->kvstage = NULL;
   pd_runtime_close(&n->rt);

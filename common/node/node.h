@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "framepool.h"
+#include "pd/crc32.h"
 #include "pd/kvpack.h"
 #include "pd/metrics.h"
 #include "pd/net.h"
@@ -117,6 +118,7 @@ typedef struct pd_node_opts {
   const char *model_dir, *served_name, *router_ep, *node_id, *bind, *advertise, *ready_file;
   int kv_port, metrics_port, kv_chunk_mb;
   int kv_pinned_mb; /* prefill: cap of the page-locked KV frame pool in MiB (0 = off) */
+  int kv_crc_threads; /* threads for a KV message's CRC-32, the loop's included (0, 1: the loop) */
   const char *curve_secret_file, *curve_secret_key, *router_public_key, *curve_allow_file;
   bool verbose, help;
   pd_runtime_opts rt;
@@ -155,6 +157,8 @@ struct pd_node {
   pd_framepool *kv_frames;   /* prefill: page-locked KV frames of kv_chunk_mb MiB (framepool.h);
                                 NULL on backends without host_alloc or with --kv-pinned-mb 0.
                                 Freed by pd_node_close after zmq_ctx_term, before the backend */
+  pd_crcpool *kv_crc;        /* the KV messages' CRC-32 over --kv-crc-threads threads (the loop
+                                thread is one of them; pd/crc32.h); used by the loop only */
   pd_wire_limits lim;        /* receive limits with this node's geometry */
   void *zctx;
   pd_curve_auth *auth;

@@ -9,6 +9,8 @@ if(TARGET pdnet)
               LIBS pdnet LABELS unit TIMEOUT 120)
   pd_add_test(NAME test_net_crc32 SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_net_crc32.c
               LIBS pdnet LABELS unit TIMEOUT 60)
+  pd_add_test(NAME test_net_crcpool SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_net_crcpool.c
+              LIBS pdnet LABELS unit TIMEOUT 120)
   pd_add_test(NAME test_net_liveness SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_net_liveness.c
               LIBS pdnet LABELS unit TIMEOUT 30)
   pd_add_test(NAME test_net_zmq SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_net_zmq.c
