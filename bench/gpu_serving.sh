@@ -14,7 +14,8 @@
 #   CONCURRENCY: the caps to run, one `pdctl bench` each (default: 128 256)
 #
 # Environment: MODEL (a model folder; default: `pdctl make-model --like llama3-8b` into
-# /tmp/pdserve-llama3-8b), PROMPTS (512), INPUT_LEN (128), OUTPUT_LEN (128).
+# /tmp/pdserve-llama3-8b), PROMPTS (512), INPUT_LEN (128), OUTPUT_LEN (128), NODE_ARGS (options
+# for every node, after `--` of `pdctl cluster up`, e.g. "--kv-crc-threads 1").
 # docs/benchmarks.md ("Serving") has the figures of this recipe on H200s.
 set -u
 . "$(dirname "$0")/bundle_tree.sh"
@@ -53,8 +54,10 @@ down() {
 trap down EXIT
 
 echo "=== cluster up: $mode (${devs[*]}), model $M ($(date +%T))"
+extra=()
+[ -n "${NODE_ARGS:-}" ] && read -r -a extra <<< "-- $NODE_ARGS"
 if ! timeout 300 "$T/tools/pdctl" cluster up --model "$M" "${devs[@]}" --port 0 --run-dir "$R" \
-  --quiet; then
+  --quiet "${extra[@]}"; then
   echo "gpu_serving.sh: the cluster did not come up; its logs:" >&2
   tail -n 20 "$R"/*.log >&2 2>/dev/null
   exit 1
