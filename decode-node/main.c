@@ -4,7 +4,9 @@
  *   Reserve (router)        -> pd_sched_reserve: blocks for prompt + generated tokens, held
  *                              until the KV lands or the reservation's ttl passes
  *   KvTransferHeader (KV)   -> checked against the reservation (same block ids, same geometry,
- *                              CRC) and unpacked frame by frame into the engine's cache
+ *                              CRC) and unpacked into the engine's cache: on a GPU copied
+ *                              (with the CRC, over --kv-crc-threads) into a page-locked
+ *                              buffer and unpacked from it in one DMA, else frame by frame
  *   KvTransferDone (KV)     -> every (layer, head) received: pd_sched_activate with the token
  *                              the prefill node sampled; KvTransferAck to the prefill node
  *   scheduler events        -> TokenStream to the router, one message per request per step
@@ -431,15 +433,28 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
              "KV header block ids differ from the reservation");
     return;
   }
+  /* On a GPU (a backend with host_alloc) the frames, in ZeroMQ's pageable memory, are first
+   * copied into the node's page-locked receive buffer, the copy fused with the CRC and spread
+   * over the CRC pool's threads, so the unpack is ONE direct DMA of the whole message instead
+   * of a memcpy per frame through the backend's bounce chunks on this thread. Otherwise (CPU
+   * backend, over --kv-pinned-mb, host_alloc refused) the frames are unpacked where they are. */
+  size_t total = 0;
+  for (int i = 0; i < m->n_payload; i++) total += m->payload_len[i];
+  void *rx = pd_node_kv_rx_buf(n, total);
+  const bool has_crc = h->checksum_opt_case == PD__KV_TRANSFER_HEADER__CHECKSUM_OPT_CRC32;
   double t0 = pd_mono_s();
-  if (h->checksum_opt_case == PD__KV_TRANSFER_HEADER__CHECKSUM_OPT_CRC32) {
-    /* every frame of the message in one call, spread over --kv-crc-threads threads */
-    const uint32_t crc = pd_crcpool_crc32v(g.node.kv_crc, 0, (const void *const *)m->payload,
-                                           m->payload_len, m->n_payload);
+  if (has_crc || rx) {
+    /* every frame of the message in one call, spread over --kv-crc-threads threads; with rx
+     * this is also the copy into it (counted as work="checksum": one pass does both; without a
+     * CRC in the header the result is just not checked) */
+    const void *const *bufs = (const void *const *)m->payload;
+    const uint32_t crc =
+        rx ? pd_crcpool_copy_crc32v(n->kv_crc, 0, rx, bufs, m->payload_len, m->n_payload)
+           : pd_crcpool_crc32v(n->kv_crc, 0, bufs, m->payload_len, m->n_payload);
     const double t1 = pd_mono_s();
     pd_metric_add(g.m_kv_check_s, t1 - t0);
     t0 = t1;
-    if (crc != h->crc32) {
+    if (has_crc && crc != h->crc32) {
       pd_metric_add(g.m_errors_kv, 1);
       fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL, "KV payload CRC-32 mismatch");
       return;
@@ -448,10 +463,12 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
   pd_kv_slice s = {(int)h->layer_begin, (int)h->layer_end, (int)h->head_begin, (int)h->head_end};
   size_t off = 0;
   pd_err e = {0};
-  for (int i = 0; i < m->n_payload; i++) {
-    /* host pages: memcpy; device pages: kv_scatter from the frame (pd_node_kv_unpack) */
-    pd_status st = pd_node_kv_unpack(n, &s, r->blocks, r->nb, off, m->payload[i],
-                                     m->payload_len[i], &e);
+  const int n_bufs = rx ? 1 : m->n_payload; /* rx: the whole message as one range */
+  for (int i = 0; i < n_bufs; i++) {
+    const void *buf = rx ? rx : m->payload[i];
+    const size_t len = rx ? total : m->payload_len[i];
+    /* host pages: memcpy; device pages: kv_scatter from buf (pd_node_kv_unpack) */
+    pd_status st = pd_node_kv_unpack(n, &s, r->blocks, r->nb, off, buf, len, &e);
     if (st == PD_EBACKEND) { /* the device failed, not the message */
       pd_metric_add(g.m_errors_internal, 1);
       fail_req(r, PD__ERROR_CODE__ERROR_CODE_INTERNAL, e.msg);
@@ -462,7 +479,7 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
       fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL, e.msg);
       return;
     }
-    off += m->payload_len[i];
+    off += len;
   }
   pd_metric_add(g.m_kv_unpack_s, pd_mono_s() - t0);
   int H = n->pages.num_kv_heads, h0 = n->pages.head_offset;

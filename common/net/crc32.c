@@ -11,14 +11,17 @@
  * it in whole 16-byte blocks; the rest goes to zlib. */
 #include "pd/crc32.h"
 
+#include <string.h>
 #include <zlib.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define PD_CRC_CLMUL 1
 
-__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_fold(const unsigned char *p,
-                                                                     size_t len, uint32_t crc) {
+/* d NULL: CRC only; else the bytes are also stored to d as they are loaded (pd_crc32_copy): the
+ * copy costs no second read of p, and its memory traffic overlaps the folding's multiplies. */
+__attribute__((target("pclmul,sse4.1"), always_inline)) static inline uint32_t
+crc_fold_impl(const unsigned char *p, size_t len, uint32_t crc, unsigned char *d) {
   /* len >= 64, len % 16 == 0; crc is the inverted running value (zlib's ~crc) */
   const __m128i k1k2 = _mm_set_epi64x(0x01c6e41596LL, 0x0154442bd4LL);
   const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009eLL, 0x01751997d0LL);
@@ -29,6 +32,13 @@ __attribute__((target("pclmul,sse4.1"))) static uint32_t crc_fold(const unsigned
   __m128i x2 = _mm_loadu_si128((const __m128i *)(p + 0x10));
   __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 0x20));
   __m128i x4 = _mm_loadu_si128((const __m128i *)(p + 0x30));
+  if (d) {
+    _mm_storeu_si128((__m128i *)(d + 0x00), x1);
+    _mm_storeu_si128((__m128i *)(d + 0x10), x2);
+    _mm_storeu_si128((__m128i *)(d + 0x20), x3);
+    _mm_storeu_si128((__m128i *)(d + 0x30), x4);
+    d += 64;
+  }
   x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)crc));
   p += 64;
   len -= 64;
@@ -37,10 +47,21 @@ __attribute__((target("pclmul,sse4.1"))) static uint32_t crc_fold(const unsigned
     __m128i l2 = _mm_clmulepi64_si128(x2, k1k2, 0x00), h2 = _mm_clmulepi64_si128(x2, k1k2, 0x11);
     __m128i l3 = _mm_clmulepi64_si128(x3, k1k2, 0x00), h3 = _mm_clmulepi64_si128(x3, k1k2, 0x11);
     __m128i l4 = _mm_clmulepi64_si128(x4, k1k2, 0x00), h4 = _mm_clmulepi64_si128(x4, k1k2, 0x11);
-    x1 = _mm_xor_si128(_mm_xor_si128(l1, h1), _mm_loadu_si128((const __m128i *)(p + 0x00)));
-    x2 = _mm_xor_si128(_mm_xor_si128(l2, h2), _mm_loadu_si128((const __m128i *)(p + 0x10)));
-    x3 = _mm_xor_si128(_mm_xor_si128(l3, h3), _mm_loadu_si128((const __m128i *)(p + 0x20)));
-    x4 = _mm_xor_si128(_mm_xor_si128(l4, h4), _mm_loadu_si128((const __m128i *)(p + 0x30)));
+    const __m128i y1 = _mm_loadu_si128((const __m128i *)(p + 0x00));
+    const __m128i y2 = _mm_loadu_si128((const __m128i *)(p + 0x10));
+    const __m128i y3 = _mm_loadu_si128((const __m128i *)(p + 0x20));
+    const __m128i y4 = _mm_loadu_si128((const __m128i *)(p + 0x30));
+    if (d) {
+      _mm_storeu_si128((__m128i *)(d + 0x00), y1);
+      _mm_storeu_si128((__m128i *)(d + 0x10), y2);
+      _mm_storeu_si128((__m128i *)(d + 0x20), y3);
+      _mm_storeu_si128((__m128i *)(d + 0x30), y4);
+      d += 64;
+    }
+    x1 = _mm_xor_si128(_mm_xor_si128(l1, h1), y1);
+    x2 = _mm_xor_si128(_mm_xor_si128(l2, h2), y2);
+    x3 = _mm_xor_si128(_mm_xor_si128(l3, h3), y3);
+    x4 = _mm_xor_si128(_mm_xor_si128(l4, h4), y4);
     p += 64;
     len -= 64;
   }
@@ -56,7 +77,12 @@ __attribute__((target("pclmul,sse4.1"))) static uint32_t crc_fold(const unsigned
   while (len >= 16) { /* 16 bytes a step */
     lo = _mm_clmulepi64_si128(x1, k3k4, 0x00);
     hi = _mm_clmulepi64_si128(x1, k3k4, 0x11);
-    x1 = _mm_xor_si128(_mm_xor_si128(lo, hi), _mm_loadu_si128((const __m128i *)p));
+    const __m128i y = _mm_loadu_si128((const __m128i *)p);
+    if (d) {
+      _mm_storeu_si128((__m128i *)d, y);
+      d += 16;
+    }
+    x1 = _mm_xor_si128(_mm_xor_si128(lo, hi), y);
     p += 16;
     len -= 16;
   }
@@ -73,6 +99,18 @@ __attribute__((target("pclmul,sse4.1"))) static uint32_t crc_fold(const unsigned
   x2 = _mm_clmulepi64_si128(x2, poly, 0x00);
   x1 = _mm_xor_si128(x1, x2);
   return (uint32_t)_mm_extract_epi32(x1, 1);
+}
+
+__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_fold(const unsigned char *p,
+                                                                     size_t len, uint32_t crc) {
+  return crc_fold_impl(p, len, crc, NULL);
+}
+
+__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_fold_copy(unsigned char *d,
+                                                                          const unsigned char *p,
+                                                                          size_t len,
+                                                                          uint32_t crc) {
+  return crc_fold_impl(p, len, crc, d);
 }
 
 static int have_clmul(void) {
@@ -106,6 +144,30 @@ uint32_t pd_crc32(uint32_t crc, const void *buf, size_t len) {
   while (len > 0) { /* zlib takes uInt lengths */
     const uInt n = len > (1u << 30) ? (1u << 30) : (uInt)len;
     crc = (uint32_t)crc32((uLong)crc, p, n);
+    p += n;
+    len -= n;
+  }
+  return crc;
+}
+
+uint32_t pd_crc32_copy(uint32_t crc, void *dst, const void *src, size_t len) {
+  unsigned char *d = dst;
+  const unsigned char *p = src;
+#ifdef PD_CRC_CLMUL
+  if (len >= 64 && have_clmul()) {
+    const size_t n = len & ~(size_t)15;
+    crc = ~crc_fold_copy(d, p, n, ~crc);
+    d += n;
+    p += n;
+    len -= n;
+  }
+#endif
+  /* the rest (or everything without PCLMULQDQ): in pieces that stay in L1 between the two */
+  while (len > 0) {
+    const size_t n = len > ((size_t)16 << 10) ? ((size_t)16 << 10) : len;
+    memcpy(d, p, n);
+    crc = (uint32_t)crc32((uLong)crc, d, (uInt)n);
+    d += n;
     p += n;
     len -= n;
   }

@@ -40,7 +40,9 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
       {"kv-chunk-mb", PD_OPT_INT, &o->kv_chunk_mb, "MB", "prefill: KV bytes per message (4)",
        NULL},
       {"kv-pinned-mb", PD_OPT_INT, &o->kv_pinned_mb, "MB",
-       "prefill on a GPU: page-locked memory kept for outgoing KV frames (256, 0 = off)", NULL},
+       "on a GPU: page-locked memory for KV messages: prefill: outgoing frames; decode: one "
+       "receive buffer as large as the largest message (256, 0 = off)",
+       NULL},
       {"kv-crc-threads", PD_OPT_INT, &o->kv_crc_threads, "N",
        "threads that checksum a KV message, the loop's included (4; 0 or 1 = the loop only)",
        NULL},
@@ -155,6 +157,26 @@ pd_status pd_node_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids
   if (n->kvstage)
     return pd_kvstage_unpack_range(n->kvstage, &n->pages, s, ids, nb, off, buf, len, e);
   return pd_kvpack_unpack_range(&n->pages, s, ids, nb, off, buf, len, e);
+}
+
+void *pd_node_kv_rx_buf(pd_node *n, size_t len) {
+  if (len == 0 || len > n->kv_rx_cap) return NULL;
+  if (len <= n->kv_rx_bytes) return n->kv_rx;
+  pd_backend *be = n->rt.be;
+  const size_t mib = (size_t)1 << 20;
+  size_t want = (len + mib - 1) & ~(mib - 1); /* whole MiB: fewer regrowths */
+  if (want > n->kv_rx_cap) want = n->kv_rx_cap; /* >= len */
+  void *p = be->ops.host_alloc(be, want);
+  if (!p) {
+    pd_log(PD_LOG_WARN, "page-locked KV receive buffer: host_alloc of %zu bytes refused; "
+           "messages over %zu bytes are unpacked from their frames", want, n->kv_rx_bytes);
+    n->kv_rx_cap = n->kv_rx_bytes;
+    return NULL;
+  }
+  if (n->kv_rx) be->ops.host_free(be, n->kv_rx);
+  n->kv_rx = p;
+  n->kv_rx_bytes = want;
+  return p;
 }
 
 /* ---- sending ---- */
@@ -519,6 +541,10 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
                                     (size_t)o->kv_pinned_mb << 20, e);
     if (!n->kv_frames) return e->code;
   }
+  /* received KV messages copied into page-locked memory (pd_node_kv_rx_buf, allocated on
+   * demand): one DMA to the device instead of a copy through the backend's bounce chunks */
+  if (role == PD__ROLE__ROLE_DECODE && n->rt.be->ops.host_alloc && n->rt.be->ops.host_free)
+    n->kv_rx_cap = (size_t)o->kv_pinned_mb << 20;
   /* the KV messages' CRC-32 (the loop thread plus kv_crc_threads - 1 workers) */
   n->kv_crc = pd_crcpool_new(o->kv_crc_threads, e);
   if (!n->kv_crc) return e->code;
@@ -609,6 +635,9 @@ void pd_node_close(pd_node *n) {
   n->zctx = NULL;
   pd_framepool_free(n->kv_frames); /* after zmq_ctx_term, before the backend (framepool.h) */
   n->kv_frames = NULL;
+  if (n->kv_rx) n->rt.be->ops.host_free(n->rt.be, n->kv_rx); /* before the backend */
+  n->kv_rx = NULL;
+  n->kv_rx_bytes = n->kv_rx_cap = 0;
   pd_crcpool_free(n->kv_crc);
   n->kv_crc = NULL;
   pd_kvstage_free(n->kvstage); /* before its backend */

@@ -117,7 +117,8 @@ size_t pd_outbox_flush(pd_outbox *o);
 typedef struct pd_node_opts {
   const char *model_dir, *served_name, *router_ep, *node_id, *bind, *advertise, *ready_file;
   int kv_port, metrics_port, kv_chunk_mb;
-  int kv_pinned_mb; /* prefill: cap of the page-locked KV frame pool in MiB (0 = off) */
+  int kv_pinned_mb; /* page-locked KV memory in MiB (0 = off): prefill: cap of the frame pool;
+                       decode: cap of the receive buffer (kv_rx) */
   int kv_crc_threads; /* threads for a KV message's CRC-32, the loop's included (0, 1: the loop) */
   const char *curve_secret_file, *curve_secret_key, *router_public_key, *curve_allow_file;
   bool verbose, help;
@@ -157,6 +158,12 @@ struct pd_node {
   pd_framepool *kv_frames;   /* prefill: page-locked KV frames of kv_chunk_mb MiB (framepool.h);
                                 NULL on backends without host_alloc or with --kv-pinned-mb 0.
                                 Freed by pd_node_close after zmq_ctx_term, before the backend */
+  void *kv_rx;               /* decode: page-locked receive buffer of kv_rx_bytes from host_alloc
+                                (pd_node_kv_rx_buf), grown to the largest KV message seen, at
+                                most kv_rx_cap; loop thread only; freed by pd_node_close before
+                                the backend */
+  size_t kv_rx_bytes, kv_rx_cap; /* cap: --kv-pinned-mb MiB on a decode node whose backend has
+                                host_alloc, else 0 (never used) */
   pd_crcpool *kv_crc;        /* the KV messages' CRC-32 over --kv-crc-threads threads (the loop
                                 thread is one of them; pd/crc32.h); used by the loop only */
   pd_wire_limits lim;        /* receive limits with this node's geometry */
@@ -233,6 +240,13 @@ pd_status pd_node_kv_pack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, 
                           size_t off, void *buf, size_t len, pd_err *e);
 pd_status pd_node_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,
                             size_t off, const void *buf, size_t len, pd_err *e);
+/* Decode: the node's page-locked receive buffer, at least len bytes, for a KV message to be
+ * copied into (pd_crcpool_copy_crc32v) and unpacked from by one DMA. NULL (use the frames as
+ * they are) when len is 0 or over kv_rx_cap, the backend has no host_alloc, or host_alloc
+ * failed (then kv_rx_cap is lowered to the buffer already held, so a refusing driver is not
+ * asked again per message). Grows (a new buffer, then host_free of the old) in whole MiB; the
+ * contents are not kept. Loop thread only. */
+void *pd_node_kv_rx_buf(pd_node *n, size_t len);
 /* Cache-salt string -> 64-bit salt (0 for ""). */
 uint64_t pd_node_cache_salt(const char *s);
 

@@ -20,6 +20,10 @@ extern "C" {
 #endif
 
 uint32_t pd_crc32(uint32_t crc, const void *buf, size_t len);
+/* pd_crc32(crc, src, len), also copying src to dst (len bytes, not overlapping): one pass, each
+ * 16-byte block stored to dst as the folding loads it (what does not fold, or every byte
+ * without PCLMULQDQ: memcpy'd and checksummed in 16 KiB pieces). */
+uint32_t pd_crc32_copy(uint32_t crc, void *dst, const void *src, size_t len);
 
 /* Whether pd_crc32 takes the carry-less multiplication path on this CPU. */
 int pd_crc32_accelerated(void);
@@ -50,6 +54,15 @@ uint32_t pd_crcpool_crc32(pd_crcpool *p, uint32_t crc, const void *buf, size_t l
  * one call whatever their sizes. */
 uint32_t pd_crcpool_crc32v(pd_crcpool *p, uint32_t crc, const void *const *bufs,
                            const size_t *lens, int n);
+/* pd_crcpool_crc32v that also copies the concatenation of bufs[0..n) to dst (sum of lens bytes,
+ * not overlapping any buffer; any alignment): the same parts over the same threads, each part
+ * copied and checksummed in one pass over its source (pd_crc32_copy). Returns what
+ * pd_crcpool_crc32v returns; dst is complete, and no worker touches dst or bufs, when it
+ * returns. For a decode node's received KV message: one read of ZeroMQ's pageable frames into
+ * page-locked memory instead of a CRC pass and a copy pass. 2-vCPU VM, 64 MiB out of cache, one
+ * thread: 11-13 GB/s, against 6-7 GB/s for memcpy then pd_crc32. */
+uint32_t pd_crcpool_copy_crc32v(pd_crcpool *p, uint32_t crc, void *dst, const void *const *bufs,
+                                const size_t *lens, int n);
 /* Stops and joins the workers. NULL is fine. Not while a call runs. */
 void pd_crcpool_free(pd_crcpool *p);
 
