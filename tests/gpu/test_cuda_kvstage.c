@@ -158,22 +158,29 @@ static void one_case(mirror *m, const char *what, size_t seg, size_t stride, siz
   free(pageable);
 }
 
+/* A random segment geometry: half the time 16-byte aligned (segments of 16 * 1..64, sometimes up
+ * to 16 * big16, strides and offsets multiples of 16: the vector path), else any sizes (1..300,
+ * sometimes up to big: the byte path); one in eight back to back (stride = seg). */
+static void random_geometry(size_t big16, size_t big, size_t *seg, size_t *stride,
+                            size_t *offset) {
+  if (urand(2)) {
+    *seg = 16 * (1 + urand(urand(4) ? 64 : big16));
+    *stride = *seg + 16 * urand(4);
+    *offset = 16 * urand(4);
+  } else {
+    *seg = 1 + urand(urand(4) ? 300 : big);
+    *stride = *seg + urand(70);
+    *offset = urand(40);
+  }
+  if (urand(8) == 0) *stride = *seg; /* back to back */
+}
+
 static void random_segments(uint8_t *pinned, size_t pinned_cap) {
   mirror m;
   mirror_new(&m, (size_t)8 << 20);
   for (int iter = 0; iter < 120; iter++) {
-    const bool aligned = urand(2);
     size_t seg, stride, offset;
-    if (aligned) {
-      seg = 16 * (1 + urand(urand(4) ? 64 : 4096));
-      stride = seg + 16 * urand(4);
-      offset = 16 * urand(4);
-    } else {
-      seg = 1 + urand(urand(4) ? 300 : 65536);
-      stride = seg + urand(70);
-      offset = urand(40);
-    }
-    if (urand(8) == 0) stride = seg; /* back to back */
+    random_geometry(4096, 65536, &seg, &stride, &offset);
     int slots = (int)((m.bytes - offset - seg) / stride) + 1;
     int cap = (int)(((size_t)4 << 20) / seg); /* at most ~4 MiB per call */
     if (cap > slots) cap = slots;
@@ -182,6 +189,7 @@ static void random_segments(uint8_t *pinned, size_t pinned_cap) {
     const bool distinct = urand(4) != 0;
     int32_t *ids = make_ids(n ? n : 1, slots, distinct);
     char what[64];
+    const bool aligned = seg % 16 == 0 && stride % 16 == 0 && offset % 16 == 0;
     snprintf(what, sizeof what, "random %d (%s)", iter, aligned ? "aligned" : "unaligned");
     one_case(&m, what, seg, stride, offset, ids, n, distinct, pinned, pinned_cap);
     free(ids);
@@ -333,18 +341,8 @@ static void batched_ops(uint8_t *pinned, size_t pinned_cap) {
     pd_kv_run runs[12];
     int32_t *ids[12];
     for (int r = 0; r < n_runs; r++) {
-      const bool aligned = urand(2);
       size_t seg, stride, offset;
-      if (aligned) {
-        seg = 16 * (1 + urand(urand(4) ? 64 : 2048));
-        stride = seg + 16 * urand(4);
-        offset = 16 * urand(4);
-      } else {
-        seg = 1 + urand(urand(4) ? 300 : 20000);
-        stride = seg + urand(70);
-        offset = urand(40);
-      }
-      if (urand(8) == 0) stride = seg;
+      random_geometry(2048, 20000, &seg, &stride, &offset);
       const int slots = (int)((region - offset - seg) / stride) + 1;
       int cap = (int)(((size_t)2 << 20) / (seg * (size_t)n_runs)) + 1;
       if (cap > slots) cap = slots;

@@ -47,6 +47,16 @@ static uint32_t zcrc(uint32_t crc, const unsigned char *p, size_t n) {
   return crc;
 }
 
+/* A buffer length for the list tests: empty (1/8), tiny (1/8), under the parallel threshold
+ * (3/8) or up to big (3/8). */
+static size_t random_len(size_t big) {
+  const size_t kind = rand_below(8);
+  return kind == 0   ? 0
+         : kind == 1 ? rand_below(100)
+         : kind <= 4 ? rand_below(PD_CRCPOOL_MIN_BYTES)
+                     : rand_below(big);
+}
+
 static unsigned char *big;
 static size_t big_len;
 
@@ -89,14 +99,10 @@ static void check_lists(pd_crcpool *p, int threads) {
     uint32_t want = crc, wantz = crc;
     size_t total = 0;
     for (int i = 0; i < n; i++) {
-      const size_t kind = rand_below(8);
-      size_t len = kind == 0   ? 0
-                   : kind == 1 ? rand_below(100)
-                   : kind <= 4 ? rand_below(PD_CRCPOOL_MIN_BYTES)
-                               : rand_below(6u << 20);
+      size_t len = random_len(6u << 20);
       if (len > big_len) len = big_len;
       const size_t off = rand_below(big_len - len + 1);
-      bufs[i] = len == 0 && kind == 0 && (t & 1) ? NULL : big + off;
+      bufs[i] = len == 0 && (t & 1) ? NULL : big + off;
       lens[i] = len;
       want = pd_crc32(want, bufs[i], len);
       if (total + len <= (8u << 20)) wantz = zcrc(wantz, big + off, len);
@@ -194,11 +200,7 @@ static void check_copy_all(pd_crcpool *p, int threads) {
     const int n = (int)rand_below(17);
     size_t total = 0;
     for (int i = 0; i < n; i++) {
-      const size_t kind = rand_below(8);
-      size_t len = kind == 0   ? 0
-                   : kind == 1 ? rand_below(100)
-                   : kind <= 4 ? rand_below(PD_CRCPOOL_MIN_BYTES)
-                               : rand_below(3u << 20);
+      size_t len = random_len(3u << 20);
       if (total + len > big_len - 64) len = 0;
       bufs[i] = len == 0 && (t & 1) ? NULL : big + rand_below(big_len - len + 1);
       lens[i] = len;
