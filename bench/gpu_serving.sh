@@ -78,7 +78,7 @@ echo
 echo "=== the nodes' KV loop time and steps (Prometheus counters, after the runs above)"
 python3 - "$R/cluster.json" <<'EOF'
 import json, sys, urllib.request
-keep = ("pd_node_kv_loop_seconds_total", "pd_node_kv_transfer_bytes_total",
+keep = ("pd_node_kv_loop_seconds_total", "pd_node_kv_transfer_bytes_total", "pd_node_kv_frames_total",
         "pd_node_step_seconds_count", "pd_node_step_seconds_sum")
 for p in json.load(open(sys.argv[1]))["processes"]:
     if "metrics_port" not in p:

@@ -59,6 +59,7 @@ typedef struct prefill {
   size_t chunk_bytes;
   bool checksum; /* CRC-32 of each KV chunk (PD_KV_CHECKSUM=0: none, a measurement switch) */
   pd_metric *m_kv_pack_s, *m_kv_check_s, *m_kv_send_s; /* the loop thread's time on KV */
+  pd_metric *m_kv_frames_pinned, *m_kv_frames_malloc; /* KV frames by where their memory came from */
   pd_metric *m_requests, *m_kv_bytes, *m_kv_seconds, *m_kv_transfers, *m_errors_invalid,
       *m_errors_internal, *m_errors_kv, *m_ttft;
 } prefill;
@@ -304,6 +305,7 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
       off += len;
     }
     pd_metric_add(g.m_kv_pack_s, t_pack);
+    pd_metric_add(pinned ? g.m_kv_frames_pinned : g.m_kv_frames_malloc, nf);
     pd_metric_add(g.m_kv_check_s, t_check);
     if (st != PD_OK) {
       frames_put(frames, nf, pinned);
@@ -634,6 +636,13 @@ int main(int argc, char **argv) {
     *kv_work_m[i] = pd_metrics_counter(m, "pd_node_kv_loop_seconds_total",
                                        "Time the node's loop thread spent on KV pages.", lab);
   }
+  static const char kv_frames_help[] =
+      "KV frames sent, by memory: page-locked from the pool (--kv-pinned-mb) or malloc'ed (no "
+      "pool, or all its buffers still queued or in ZeroMQ).";
+  g.m_kv_frames_pinned = pd_metrics_counter(m, "pd_node_kv_frames_total", kv_frames_help,
+                                            "memory=\"page-locked\"");
+  g.m_kv_frames_malloc = pd_metrics_counter(m, "pd_node_kv_frames_total", kv_frames_help,
+                                            "memory=\"malloc\"");
   g.m_kv_seconds = pd_metrics_histogram(m, "pd_node_kv_transfer_seconds",
                                         "From queueing a request's KV pages to the decode "
                                         "node's acknowledgement.",
