@@ -11,83 +11,39 @@
  * with zlib's crc32_combine (CRC(A || B) = combine(CRC(A), CRC(B), |B|); the operator for the
  * common part length is computed once), so the result is bit for bit pd_crc32's.
  *
- * Why claimed parts rather than one part per thread: a woken worker may start late or, as on
+ * The parts run as the tasks of one job of a pd_pool (pd/pool.h, the CPU backend's thread pool),
+ * created with no spin (its workers sleep between calls: a node's cores have other work). The
+ * pool hands tasks out dynamically, which matters here: a woken worker may start late or, as on
  * a 2-vCPU VM where the scheduler puts it on the caller's own CPU, only when the caller stops
- * running (measured: it started 130-160 us after the call, on the caller's CPU, when the call
- * followed a sleep). With claims the caller just takes the parts nobody took, and waiting for a
- * part in flight yields the CPU, so a late worker costs little and an early one halves the time.
- *
- * Job protocol (as kernels/cpu/cpu_pool.c): one 64-bit atomic `ctr` holds (generation << 32 |
- * next part). The caller writes the parts, then under mu sets the job (buffers, n_parts), bumps
- * gen, publishes ctr = gen << 32 and broadcasts `go`. A worker reads gen and the job under mu
- * and claims parts with a CAS that also checks the generation: a successful CAS means job gen
- * still had an unclaimed part, so the caller has not returned from it, let alone set up the
- * next one; a worker that wakes late for a finished job finds another generation and goes back
- * to sleep without touching anything. Every finished part bumps n_done; the caller returns when
- * n_done == n_parts (polling, yielding the CPU, for up to CRCPOOL_WAIT_NS, then sleeping on
- * `done`), so no worker reads a buffer after the call. Workers sleep between calls (no
- * spinning: a node's cores have other work).
- *
- * Copy + CRC (pd_crcpool_copy_crc32v): the same parts, each also copied to dst + its offset in
- * the concatenation by pd_crc32_copy, which stores each block as the folding loads it: every
- * source byte is read once, and the copy's memory traffic overlaps the CRC's multiplies (one
- * core's CRC is compute-bound at ~14.5 GB/s on the 2-vCPU VM, hot or not, so copying pieces
- * and checksumming them from cache saved nothing there: 6.4 vs 6.2 GB/s). */
-#include <pthread.h>
-#include <sched.h>
-#include <signal.h>
-#include <stdatomic.h>
+ * running (measured: 130-160 us after the call when the call followed a sleep), and the caller
+ * then just takes the parts nobody took; pd_pool_run returns when every part is done, so no
+ * worker touches a buffer after the call. */
 #include <stdbool.h>
 #include <stdlib.h>
-#include <string.h>
-#include <time.h>
 #include <zlib.h>
 
 #include "pd/crc32.h"
+#include "pd/pool.h"
 
 #define CRCPOOL_MAX_THREADS 256
 #define CRCPOOL_MAX_PARTS 64 /* 4 x threads, at most */
-/* How long the caller, out of parts to claim, polls for the ones in flight before it sleeps:
- * a part takes 20-200 us, and a wake-up of the caller costs tens of us on a VM. */
-#define CRCPOOL_WAIT_NS 500000
 
 typedef struct crc_part {
   int b;         /* first buffer */
   size_t off;    /* offset in it */
-  size_t pos;    /* offset in the concatenation (where the part goes in dst) */
+  size_t pos;    /* offset in the concatenation (and in dst) */
   size_t len;    /* bytes in all, possibly over several buffers */
   uint32_t crc;  /* in: the chaining value (part 0) or 0; out: the part's CRC */
 } crc_part;
 
-/* What a call asks of the threads (the pool's copy is guarded by mu). */
-typedef struct crc_job {
-  int n_parts;
+struct pd_crcpool {
+  pd_pool *pool; /* NULL: one thread */
+  /* the current call's (one caller at a time) */
+  crc_part parts[CRCPOOL_MAX_PARTS];
   const void *const *bufs;
   const size_t *lens;
   unsigned char *dst; /* NULL: CRC only */
-} crc_job;
-
-struct pd_crcpool {
-  int n_threads;       /* the caller's included */
-  int n_started;       /* workers running */
-  pthread_t *th;       /* [n_threads - 1] */
-  crc_part parts[CRCPOOL_MAX_PARTS]; /* the current job's */
-  _Atomic uint64_t ctr; /* gen << 32 | next part to claim */
-  atomic_int n_done;    /* parts of the current job finished */
-  pthread_mutex_t mu;
-  pthread_cond_t go, done;
-  /* guarded by mu */
-  uint32_t gen;        /* job counter */
-  bool stop;
-  bool caller_asleep;  /* the caller waits on `done` */
-  crc_job job;
 };
-
-static int64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 /* CRC of len bytes of the concatenation of bufs starting at (b, off), chained from crc; with
  * dst, the bytes are also copied to dst (in the same pass). */
@@ -109,40 +65,13 @@ static uint32_t part_crc(const void *const *bufs, const size_t *lens, int b, siz
   return crc;
 }
 
-/* Claims and computes parts of job gen until none is left. */
-static void run_parts(pd_crcpool *p, uint32_t gen, const crc_job *j) {
-  for (;;) {
-    uint64_t c = atomic_load(&p->ctr);
-    for (;;) {
-      if ((uint32_t)(c >> 32) != gen || (int)(uint32_t)c >= j->n_parts) return;
-      if (atomic_compare_exchange_weak(&p->ctr, &c, c + 1)) break;
-    }
-    crc_part *pt = &p->parts[(uint32_t)c];
-    pt->crc = part_crc(j->bufs, j->lens, pt->b, pt->off, pt->len, pt->crc,
-                       j->dst ? j->dst + pt->pos : NULL);
-    if (atomic_fetch_add(&p->n_done, 1) + 1 == j->n_parts) {
-      pthread_mutex_lock(&p->mu);
-      if (p->caller_asleep) pthread_cond_signal(&p->done);
-      pthread_mutex_unlock(&p->mu);
-    }
-  }
-}
-
-static void *worker_main(void *ud) {
-  pd_crcpool *p = ud;
-  uint32_t seen = 0; /* gen starts at 0: a job posted before this thread ran is not missed */
-  pthread_mutex_lock(&p->mu);
-  for (;;) {
-    while (p->gen == seen && !p->stop) pthread_cond_wait(&p->go, &p->mu);
-    if (p->stop) break;
-    seen = p->gen;
-    const crc_job j = p->job;
-    pthread_mutex_unlock(&p->mu);
-    run_parts(p, seen, &j);
-    pthread_mutex_lock(&p->mu);
-  }
-  pthread_mutex_unlock(&p->mu);
-  return NULL;
+/* pd_pool task t: part t of the current call. */
+static void part_task(void *ctx, int t, int thread) {
+  (void)thread;
+  pd_crcpool *p = ctx;
+  crc_part *pt = &p->parts[t];
+  pt->crc = part_crc(p->bufs, p->lens, pt->b, pt->off, pt->len, pt->crc,
+                     p->dst ? p->dst + pt->pos : NULL);
 }
 
 pd_crcpool *pd_crcpool_new(int threads, pd_err *e) {
@@ -150,52 +79,25 @@ pd_crcpool *pd_crcpool_new(int threads, pd_err *e) {
     pd_err_set(e, PD_EINVAL, "CRC pool: %d threads (at most %d)", threads, CRCPOOL_MAX_THREADS);
     return NULL;
   }
-  if (threads < 1) threads = 1;
   pd_crcpool *p = calloc(1, sizeof *p);
-  if (p && threads > 1) p->th = calloc((size_t)threads - 1, sizeof *p->th);
-  if (!p || (threads > 1 && !p->th)) {
-    free(p);
+  if (!p) {
     pd_err_set(e, PD_ENOMEM, "CRC pool: out of memory");
     return NULL;
   }
-  p->n_threads = threads;
-  atomic_init(&p->ctr, 0);
-  atomic_init(&p->n_done, 0);
-  pthread_mutex_init(&p->mu, NULL);
-  pthread_cond_init(&p->go, NULL);
-  pthread_cond_init(&p->done, NULL);
-  /* the workers take no signals: SIGINT/SIGTERM go to the node's own threads */
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_BLOCK, &all, &old);
-  for (int i = 0; i < threads - 1; i++) {
-    int rc = pthread_create(&p->th[i], NULL, worker_main, p);
-    if (rc != 0) {
-      pthread_sigmask(SIG_SETMASK, &old, NULL);
-      pd_err_set(e, PD_EIO, "CRC pool: pthread_create: %s", strerror(rc));
-      pd_crcpool_free(p);
-      return NULL;
-    }
-    (void)pthread_setname_np(p->th[i], "pd-crc"); /* a name for top and gdb; best effort */
-    p->n_started++;
+  if (threads > 1 && !(p->pool = pd_pool_create_spin(threads, 0, e))) {
+    free(p);
+    return NULL;
   }
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
   return p;
 }
 
-int pd_crcpool_threads(const pd_crcpool *p) { return p ? p->n_threads : 1; }
+int pd_crcpool_threads(const pd_crcpool *p) {
+  return p && p->pool ? pd_pool_size(p->pool) : 1;
+}
 
 void pd_crcpool_free(pd_crcpool *p) {
   if (!p) return;
-  pthread_mutex_lock(&p->mu);
-  p->stop = true;
-  pthread_cond_broadcast(&p->go);
-  pthread_mutex_unlock(&p->mu);
-  for (int i = 0; i < p->n_started; i++) pthread_join(p->th[i], NULL);
-  pthread_cond_destroy(&p->done);
-  pthread_cond_destroy(&p->go);
-  pthread_mutex_destroy(&p->mu);
-  free(p->th);
+  pd_pool_destroy(p->pool);
   free(p);
 }
 
@@ -204,13 +106,13 @@ static uint32_t crcpool_run(pd_crcpool *p, uint32_t crc, unsigned char *dst,
                             const void *const *bufs, const size_t *lens, int n) {
   size_t total = 0;
   for (int i = 0; i < n; i++) total += lens[i];
-  if (!p || p->n_threads <= 1 || total < PD_CRCPOOL_MIN_BYTES)
+  if (!p || !p->pool || total < PD_CRCPOOL_MIN_BYTES)
     return part_crc(bufs, lens, 0, 0, total, crc, dst);
 
   /* n_parts parts of `step` bytes (the last takes the rest) */
   size_t want = total / (PD_CRCPOOL_MIN_BYTES / 2); /* >= 2 */
-  const size_t cap = (size_t)p->n_threads * 4 < CRCPOOL_MAX_PARTS ? (size_t)p->n_threads * 4
-                                                                   : CRCPOOL_MAX_PARTS;
+  const size_t threads = (size_t)pd_pool_size(p->pool);
+  const size_t cap = threads * 4 < CRCPOOL_MAX_PARTS ? threads * 4 : CRCPOOL_MAX_PARTS;
   const int n_parts = (int)(want < cap ? want : cap);
   const size_t step = (total / (size_t)n_parts) & ~(size_t)63;
   crc_part *pt = p->parts;
@@ -232,30 +134,10 @@ static uint32_t crcpool_run(pd_crcpool *p, uint32_t crc, unsigned char *dst,
       }
     }
   }
-
-  const crc_job job = {.n_parts = n_parts, .bufs = bufs, .lens = lens, .dst = dst};
-  pthread_mutex_lock(&p->mu);
-  p->job = job;
-  const uint32_t gen = ++p->gen;
-  atomic_store(&p->n_done, 0);
-  atomic_store(&p->ctr, (uint64_t)gen << 32);
-  pthread_cond_broadcast(&p->go);
-  pthread_mutex_unlock(&p->mu);
-
-  run_parts(p, gen, &job);
-
-  /* the parts in flight on workers: their stores to pt[i].crc (and to dst) precede their n_done
-   * bumps */
-  if (atomic_load(&p->n_done) < n_parts) {
-    const int64_t t0 = now_ns();
-    while (atomic_load(&p->n_done) < n_parts && now_ns() - t0 < CRCPOOL_WAIT_NS)
-      sched_yield(); /* a worker put on this CPU gets to finish its part */
-    pthread_mutex_lock(&p->mu);
-    p->caller_asleep = true;
-    while (atomic_load(&p->n_done) < n_parts) pthread_cond_wait(&p->done, &p->mu);
-    p->caller_asleep = false;
-    pthread_mutex_unlock(&p->mu);
-  }
+  p->bufs = bufs;
+  p->lens = lens;
+  p->dst = dst;
+  pd_pool_run(p->pool, part_task, p, n_parts);
 
   uint32_t r = pt[0].crc;
   const uLong op = crc32_combine_gen((z_off_t)step);

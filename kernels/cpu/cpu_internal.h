@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "pd/backend.h"
+#include "pd/pool.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define PD_CPU_X86 1
@@ -24,21 +25,7 @@
 #define PD_CPU_X86 0
 #endif
 
-/* ---- thread pool ------------------------------------------------------------------------- */
-
-typedef struct pd_pool pd_pool;
-/* One task of a parallel job. task in [0, n_tasks); thread in [0, pd_pool_size) names the
- * thread running it (0 = the caller) so a task can use that thread's scratch memory. */
-typedef void (*pd_pool_fn)(void *ctx, int task, int thread);
-
-/* Starts n_threads - 1 workers (the caller is thread 0). NULL with e set on failure. */
-pd_pool *pd_pool_create(int n_threads, pd_err *e);
-void pd_pool_destroy(pd_pool *p);
-int pd_pool_size(const pd_pool *p);
-/* Runs fn(ctx, t, thread) for every t < n_tasks across the pool and returns when all are done.
- * Tasks are handed out dynamically (an atomic counter), so a descheduled worker never holds the
- * caller up: the caller takes whatever tasks remain. Not reentrant; one caller at a time. */
-void pd_pool_run(pd_pool *p, pd_pool_fn fn, void *ctx, int n_tasks);
+/* ---- thread pool: pd/pool.h ---------------------------------------------------------- */
 
 /* ---- argument blocks for the multi-part kernels ---------------------------------------- */
 

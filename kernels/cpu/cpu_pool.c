@@ -1,4 +1,4 @@
-/* A persistent thread pool with low-latency dispatch.
+/* pd_pool (pd/pool.h): a persistent thread pool with low-latency dispatch.
  *
  * Decode runs ~60 small ops per token, so what matters is the time from pd_pool_run to every
  * worker being busy, and back. Workers spin on the job counter for a while after each job
@@ -131,22 +131,27 @@ static void wake_all(pd_pool *p) {
 }
 
 pd_pool *pd_pool_create(int n_threads, pd_err *e) {
+  int spin_us = 300;
+  const char *s = getenv("PD_CPU_SPIN_US");
+  if (s && *s) {
+    long us = strtol(s, NULL, 10);
+    if (us >= 0 && us <= 10000000) spin_us = (int)us;
+  }
+  return pd_pool_create_spin(n_threads, spin_us, e);
+}
+
+pd_pool *pd_pool_create_spin(int n_threads, int spin_us, pd_err *e) {
   if (n_threads < 1 || n_threads > 1024) {
-    pd_err_set(e, PD_EINVAL, "cpu backend: n_threads %d out of range [1, 1024]", n_threads);
+    pd_err_set(e, PD_EINVAL, "thread pool: n_threads %d out of range [1, 1024]", n_threads);
     return NULL;
   }
   pd_pool *p = calloc(1, sizeof *p);
   if (!p) {
-    pd_err_set(e, PD_ENOMEM, "cpu backend: out of memory for the thread pool");
+    pd_err_set(e, PD_ENOMEM, "thread pool: out of memory");
     return NULL;
   }
   p->n = n_threads;
-  p->spin_ns = 300000;
-  const char *s = getenv("PD_CPU_SPIN_US");
-  if (s && *s) {
-    long us = strtol(s, NULL, 10);
-    if (us >= 0 && us <= 10000000) p->spin_ns = (int64_t)us * 1000;
-  }
+  p->spin_ns = spin_us > 0 ? (int64_t)spin_us * 1000 : 0;
   atomic_init(&p->ctr, 0);
   for (int i = 0; i < 4; i++) {
     atomic_init(&p->slot[i].fn, NULL);
@@ -158,20 +163,20 @@ pd_pool *pd_pool_create(int n_threads, pd_err *e) {
   atomic_init(&p->stop, 0);
   if (pthread_mutex_init(&p->mu, NULL) != 0) {
     free(p);
-    pd_err_set(e, PD_ENOMEM, "cpu backend: pthread_mutex_init failed");
+    pd_err_set(e, PD_ENOMEM, "thread pool: pthread_mutex_init failed");
     return NULL;
   }
   if (pthread_cond_init(&p->cv, NULL) != 0) {
     pthread_mutex_destroy(&p->mu);
     free(p);
-    pd_err_set(e, PD_ENOMEM, "cpu backend: pthread_cond_init failed");
+    pd_err_set(e, PD_ENOMEM, "thread pool: pthread_cond_init failed");
     return NULL;
   }
   if (n_threads > 1) {
     p->w = calloc((size_t)n_threads, sizeof *p->w);
     if (!p->w) {
       pd_pool_destroy(p);
-      pd_err_set(e, PD_ENOMEM, "cpu backend: out of memory for the thread pool");
+      pd_err_set(e, PD_ENOMEM, "thread pool: out of memory");
       return NULL;
     }
     for (int i = 1; i < n_threads; i++) {
@@ -180,7 +185,7 @@ pd_pool *pd_pool_create(int n_threads, pd_err *e) {
       int rc = pthread_create(&p->w[i].th, NULL, worker_main, &p->w[i]);
       if (rc != 0) {
         pd_pool_destroy(p);
-        pd_err_set(e, PD_EBACKEND, "cpu backend: pthread_create failed: %s", strerror(rc));
+        pd_err_set(e, PD_EBACKEND, "thread pool: pthread_create failed: %s", strerror(rc));
         return NULL;
       }
       p->n_started = i;

@@ -40,7 +40,7 @@ typedef struct pd_crcpool pd_crcpool;
 
 /* A pool of threads - 1 persistent workers (the caller's thread is the threads-th); threads <= 1
  * gives a pool without workers (every call runs on the caller's thread). threads at most 256.
- * NULL with e set (PD_EINVAL, PD_ENOMEM, PD_EIO when a thread cannot start) on failure. */
+ * NULL with e set (PD_EINVAL, PD_ENOMEM, PD_EBACKEND when a thread cannot start) on failure. */
 pd_crcpool *pd_crcpool_new(int threads, pd_err *e);
 /* Threads a call may use, the caller's included (1 for a NULL pool). */
 int pd_crcpool_threads(const pd_crcpool *p);
