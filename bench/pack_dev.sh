@@ -18,8 +18,11 @@ for t in "$B"/tests/test_cuda_* "$B"/tests/test_gpu_*; do
   [ -x "$t" ] && cp "$t" "$T/bin/"
 done
 strip "$T"/bin/* 2>/dev/null || true
-skip='^(linux-vdso|ld-linux[^ ]*|libc|libm|libdl|libpthread|librt|libresolv|libgcc_s|libstdc\+\+|libcuda|libcudart|libcublas|libcublasLt|libnvidia-[^ ]*)\.so'
-for f in "$T"/bin/*; do
+# the kernel timeline recorder (CUDA_INJECTION64_PATH; bench/trace_summary.py), where built
+[ -f "$B/kernels/cuda/libpd-cupti-trace.so" ] && cp "$B/kernels/cuda/libpd-cupti-trace.so" "$T/lib/"
+skip='^(linux-vdso|ld-linux[^ ]*|libc|libm|libdl|libpthread|librt|libutil|libresolv|libgcc_s|libstdc\+\+|libcuda|libcudart|libcublas|libcublasLt|libnvidia-[^ ]*)\.so'
+for f in "$T"/bin/* "$T"/lib/libpd-cupti-trace.so; do
+  [ -e "$f" ] || continue
   ldd "$f" 2>/dev/null | awk '$3 ~ /^\// {print $1, $3}' | while read -r name path; do
     if ! [[ "$name" =~ $skip ]]; then cp -L "$path" "$T/lib/"; fi
   done
