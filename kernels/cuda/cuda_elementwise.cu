@@ -100,11 +100,41 @@ rmsnorm_kernel(float *__restrict__ y, float *x, const float *__restrict__ r,
   for (int i = threadIdx.x; i < D; i += blockDim.x) yr[i] = xr[i] * inv * w[i];
 }
 
+/* One block per token. Rows whose width is a multiple of a 16-byte chunk (and aligned) are
+ * copied with every chunk load of a pass issued before any store (kEmbedVecs chunks a thread):
+ * one memory round trip for a 4096-wide bf16 row instead of one per element, which made the
+ * decode step's first kernel take 7.2 us (CUPTI trace on the H200). */
+constexpr int kEmbedVecs = 4;
+
 template <typename T>
 __global__ void embed_kernel(float *__restrict__ y, const T *__restrict__ table,
                              const int32_t *__restrict__ ids, int D) {
   const T *src = table + (size_t)ids[blockIdx.x] * D;
   float *dst = y + (size_t)blockIdx.x * D;
+  constexpr int E = 16 / sizeof(T); /* elements per chunk */
+  if (D % E == 0 && (((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
+    const int nch = D / E;
+    for (int c0 = threadIdx.x; c0 < nch; c0 += blockDim.x * kEmbedVecs) {
+      uint4 raw[kEmbedVecs];
+#pragma unroll
+      for (int v = 0; v < kEmbedVecs; v++) {
+        const int c = c0 + v * blockDim.x;
+        if (c < nch) raw[v] = __ldg(reinterpret_cast<const uint4 *>(src) + c);
+      }
+#pragma unroll
+      for (int v = 0; v < kEmbedVecs; v++) {
+        const int c = c0 + v * blockDim.x;
+        if (c >= nch) break;
+        const T *t = reinterpret_cast<const T *>(&raw[v]);
+        float4 *o = reinterpret_cast<float4 *>(dst + (size_t)c * E);
+#pragma unroll
+        for (int j = 0; j < E / 4; j++)
+          o[j] = make_float4(pd_to_f32(t[4 * j]), pd_to_f32(t[4 * j + 1]),
+                             pd_to_f32(t[4 * j + 2]), pd_to_f32(t[4 * j + 3]));
+      }
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = pd_to_f32(src[i]);
 }
 
