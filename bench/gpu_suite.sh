@@ -30,16 +30,19 @@ run compute-sanitizer --tool memcheck --error-exitcode 9 "$D/bin/test_cuda_kvsta
 # those are counted apart. --kernel-name-exclude kns=nvjet instead broke the run on the H200: an
 # internal sanitizer error, then wrong cuBLAS results.)
 step "compute-sanitizer racecheck (hazards in cuBLAS's nvjet kernels counted apart)"
-R=$(mktemp)
-compute-sanitizer --tool racecheck --print-limit 100000 "$D/bin/test_cuda_ops" small > "$R" 2>&1
+# (the sanitizer's reports go to a file of their own: interleaved with the test's output, a
+# report line could be split from its kernel's name and be counted as pdserve's)
+R=$(mktemp) T=$(mktemp)
+compute-sanitizer --tool racecheck --print-limit 100000 --log-file "$R" \
+  "$D/bin/test_cuda_ops" small > "$T" 2>&1
 echo "--- test_cuda_ops under racecheck: exit $?"
-grep -E "checks passed|FAIL|failed" "$R" | tail -3
+grep -E "checks passed|FAIL|failed" "$T" | tail -3
 echo "hazards in nvjet kernels: $(grep "Race reported" "$R" | grep -c nvjet)"
 ours=$(grep "Race reported" "$R" | grep -vc nvjet)
 echo "hazards in pdserve's kernels: $ours"
 grep "Race reported" "$R" | grep -v nvjet | cut -c1-200 | sort | uniq -c | head -20
 [ "$ours" = 0 ]; echo "--- exit $?"
-rm -f "$R"
+rm -f "$R" "$T"
 for m in pycoder-12m pycoder-draft-2m pycoder-qwen2-4m tiny-random-llama31; do
   step "test_cuda_golden $m"; run "$D/bin/test_cuda_golden" "$m"
 done
