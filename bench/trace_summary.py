@@ -117,7 +117,8 @@ def main():
     hostgap = []
     starts = [r[0]["start"] for r in allr]
     ends = [r[-1]["start"] + r[-1]["dur"] for r in allr]
-    outside = [x for x in recs if not x["graph"]]
+    outside = [x for x in recs if not x["graph"] and x["kind"] != "R"]
+    api = [x for x in recs if x["kind"] == "R"]
     j = 0
     for i in range(a.skip, len(allr) - 1):
         lo, hi = ends[i], starts[i + 1]
@@ -134,6 +135,28 @@ def main():
         steps = len(hostgap)
         for k, v in sorted(between.items(), key=lambda kv: -sum(kv[1])):
             print(f"  {k:40s} {len(v) / steps:5.2f} a step, median {med(v):7.2f} us")
+    if api and hostgap:
+        # the host's API calls from the end of one replay to the launch of the next (PD_TRACE_API):
+        # median start (from the replay's end) and duration of each call, in order, and the
+        # host time between calls
+        seqs = []
+        k = 0
+        api.sort(key=lambda x: x["start"])
+        for i in range(a.skip, len(allr) - 1):
+            lo, hi = ends[i], starts[i + 1]
+            while k < len(api) and api[k]["start"] < lo - 200000:
+                k += 1
+            seq = [x for x in api[k:k + 400] if lo - 200000 <= x["start"] < hi]
+            seqs.append([(x["name"], (x["start"] - lo) / 1e3, x["dur"] / 1e3) for x in seq])
+        n = collections.Counter(len(s) for s in seqs).most_common(1)[0][0]
+        same = [s for s in seqs if len(s) == n]
+        print(f"\nhost CUDA calls around a replay's end (t = 0; {len(same)} of {len(seqs)} steps "
+              f"with {n} calls; medians): start, duration, host time since the previous call")
+        for j in range(n):
+            st = med([s[j][1] for s in same])
+            du = med([s[j][2] for s in same])
+            gp = 0 if j == 0 else med([s[j][1] - s[j - 1][1] - s[j - 1][2] for s in same])
+            print(f"  {st:9.1f} {du:8.1f} {gp:8.1f}  {same[0][j][0]}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@
  *   start_ns  duration_ns  kind  graph_id  graph_node_id  stream  grid  block  name
  *
  * start_ns counts from the first record. PD_TRACE_MAX caps the records kept (default 4M;
- * later ones are counted and dropped). bench/trace_summary.py turns a trace into per-kernel
+ * later ones are counted and dropped). PD_TRACE_API=1 also records the host's CUDA runtime API
+ * calls (kind 'R', stream = the calling thread's id, name = the call): on the same clock, they
+ * show what the host does between the GPU's work. bench/trace_summary.py turns a trace into per-kernel
  * durations and the gaps between kernels inside a graph replay. */
 #include <cupti.h>
 #include <inttypes.h>
@@ -24,7 +26,7 @@ typedef struct {
   uint32_t graph, stream;
   uint32_t grid, block;
   const char *name; /* CUPTI's kernel names live as long as the process */
-  char kind;        /* 'K' kernel, 'C' memcpy, 'S' memset */
+  char kind;        /* 'K' kernel, 'C' memcpy, 'S' memset, 'R' runtime API call */
   uint8_t copy_kind;
   uint64_t bytes;
 } trace_rec;
@@ -70,6 +72,13 @@ static void CUPTIAPI buf_completed(CUcontext ctx, uint32_t stream, uint8_t *buff
       *r = (trace_rec){.start = m->start, .end = m->end, .node = m->graphNodeId,
                        .graph = m->graphId, .stream = m->streamId, .name = "memcpy",
                        .kind = 'C', .copy_kind = m->copyKind, .bytes = m->bytes};
+    } else if (a->kind == CUPTI_ACTIVITY_KIND_RUNTIME) {
+      const CUpti_ActivityAPI *api = (const CUpti_ActivityAPI *)a;
+      if (!(r = next_rec())) continue;
+      const char *nm = NULL;
+      cuptiGetCallbackName(CUPTI_CB_DOMAIN_RUNTIME_API, api->cbid, &nm);
+      *r = (trace_rec){.start = api->start, .end = api->end, .stream = api->threadId,
+                       .name = nm ? nm : "?", .kind = 'R'};
     } else if (a->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
       const CUpti_ActivityMemset4 *m = (const CUpti_ActivityMemset4 *)a;
       if (!(r = next_rec())) continue;
@@ -152,6 +161,8 @@ int InitializeInjection(void) {
   if (enable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) || enable(CUPTI_ACTIVITY_KIND_MEMCPY) ||
       enable(CUPTI_ACTIVITY_KIND_MEMSET))
     return 0;
+  const char *api = getenv("PD_TRACE_API");
+  if (api && atoi(api) > 0 && enable(CUPTI_ACTIVITY_KIND_RUNTIME)) return 0;
   atexit(write_trace);
   return 1;
 }

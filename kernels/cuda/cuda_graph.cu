@@ -34,11 +34,16 @@ void *cu_capture_end(pd_backend *be) {
   }
   cudaGraphExec_t x = NULL;
   r = cudaGraphInstantiateWithFlags(&x, g, 0);
+  /* uploaded now rather than by its first launch, which would otherwise take a step's worth of
+   * extra host time: on the H200 the mean host time in cudaGraphLaunch over a run's ~120
+   * replays went 26.7 -> 5.0 us (a 356-node batch-32 step), 7.9 -> 4.1 us (batch 1) */
+  if (r == cudaSuccess) r = cudaGraphUpload(x, c->st);
   cudaGraphDestroy(g);
   if (r != cudaSuccess) {
     fprintf(stderr, "pdserve cuda backend: graph instantiation failed: %s\n",
             cudaGetErrorString(r));
     cudaGetLastError();
+    if (x) cudaGraphExecDestroy(x);
     return NULL;
   }
   return x;
