@@ -136,7 +136,8 @@ def main():
         for k, v in sorted(between.items(), key=lambda kv: -sum(kv[1])):
             print(f"  {k:40s} {len(v) / steps:5.2f} a step, median {med(v):7.2f} us")
     if api and hostgap:
-        # the host's API calls from the end of one replay to the launch of the next (PD_TRACE_API):
+        # the host's API calls from the end of one replay to the launch of the next (PD_TRACE_API;
+        # calls still running at the replay's end included):
         # median start (from the replay's end) and duration of each call, in order, and the
         # host time between calls
         seqs = []
@@ -144,9 +145,15 @@ def main():
         api.sort(key=lambda x: x["start"])
         for i in range(a.skip, len(allr) - 1):
             lo, hi = ends[i], starts[i + 1]
-            while k < len(api) and api[k]["start"] < lo - 200000:
+            # the calls running at the replay's end (the wait for it) or begun before the next
+            while k < len(api) and api[k]["start"] + api[k]["dur"] < lo and api[k]["start"] < hi:
                 k += 1
-            seq = [x for x in api[k:k + 400] if lo - 200000 <= x["start"] < hi]
+            seq = []
+            for x in api[k:]:
+                if x["start"] >= hi:
+                    break
+                if x["start"] + x["dur"] >= lo:
+                    seq.append(x)
             seqs.append([(x["name"], (x["start"] - lo) / 1e3, x["dur"] / 1e3) for x in seq])
         n = collections.Counter(len(s) for s in seqs).most_common(1)[0][0]
         same = [s for s in seqs if len(s) == n]
