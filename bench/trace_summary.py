@@ -7,7 +7,8 @@ For the CUDA graph replayed most often (a decode step's graph) it prints, over i
 after the first N (default 20):
   - the replay's span, the sum of its kernels' durations and of the gaps between them;
   - per kernel name: count per replay, median duration, median gap before it;
-  - the first K nodes of the median replay in order (start, duration, gap) - one layer;
+  - the first K nodes of the median replay in order (start, duration, gap);
+  - the layers: the shortest run of kernels that repeats 3+ times, position by position;
   - what runs between replays (the host's gap, the kernels and copies outside the graph).
 Times are medians over the replays, in microseconds.
 """
@@ -58,6 +59,25 @@ def replays_of(recs):
 
 def med(xs):
     return statistics.median(xs) if xs else 0.0
+
+
+def layer_pattern(names, max_period=64):
+    """The repeating run of kernels in one replay (a model's layers): (offset, period, count)
+    for the shortest period whose names repeat for at least 3 periods, or None."""
+    n = len(names)
+    best = None
+    for p in range(2, min(max_period, n // 3) + 1):
+        for o in range(0, n - 3 * p + 1):
+            k = 0
+            while o + (k + 1) * p <= n and names[o + k * p:o + (k + 1) * p] == names[o:o + p]:
+                k += 1
+            if k >= 3 and (best is None or k * p > best[1] * best[2]):
+                best = (o, p, k)
+            if k >= 3:
+                break
+        if best:
+            return best
+    return None
 
 
 def main():
@@ -111,6 +131,23 @@ def main():
         x = rs[0][i]
         print(f"  {st:9.2f} {du:8.2f} {gp:6.2f}  {x['grid']:6d} x {x['block']:4d}  "
               f"{short(x['name'], 70)}")
+    # the layers: the repeating run of kernels, position by position (median over the run's
+    # repetitions and the replays)
+    pat = layer_pattern([short(x["name"], 200) for x in rs[0]])
+    if pat:
+        o, p, k = pat
+        print(f"\nlayer pattern: {p} kernels repeated {k} times from node {o} (median over layers "
+              f"and replays): duration, gap before")
+        tot = 0.0
+        for j in range(p):
+            du = med([r[o + l * p + j]["dur"] / 1e3 for r in rs for l in range(k)])
+            gp = med([(r[o + l * p + j]["start"] - r[o + l * p + j - 1]["start"]
+                       - r[o + l * p + j - 1]["dur"]) / 1e3
+                      for r in rs for l in range(k) if o + l * p + j > 0])
+            tot += du + gp
+            x = rs[0][o + j]
+            print(f"  {du:8.2f} {gp:6.2f}  {x['grid']:6d} x {x['block']:4d}  {short(x['name'], 70)}")
+        print(f"  {tot:8.2f} a layer with its gaps, {k * tot:.1f} for the {k}")
     # between replays
     allr = reps[g]
     between = collections.defaultdict(list)

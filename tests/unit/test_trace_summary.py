@@ -43,6 +43,23 @@ def build(path):
         f.writelines(recs)
 
 
+def build_layers(path):
+    """Replays of embed, norm, 3 layers of (a, b, c) and a head: the layer pattern is 3 kernels
+    from node 2, 3 times; b's duration differs by layer (1, 2, 3 us: median 2)."""
+    recs = []
+    for r in range(12):
+        t = r * 100000
+        seq = [("embed", 1000), ("norm", 1000)]
+        for l in range(3):
+            seq += [("a", 4000), ("b", 1000 * (l + 1)), ("c", 6000)]
+        seq.append(("head", 9000))
+        for node, (name, d) in enumerate(seq):
+            recs.append(line(t, d, "K", 3, 100 + node, f"{name}_kernel(int)"))
+            t += d + 200
+    with open(path, "w") as f:
+        f.writelines(recs)
+
+
 def num(pattern, text):
     m = re.search(pattern, text)
     if not m:
@@ -93,8 +110,22 @@ def main():
     st, du, gp = num(r"([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+cudaGraphLaunch", out)
     check(abs(st - 5.0) < 1e-6 and abs(du - 3.0) < 1e-6 and abs(gp - 3.3) < 1e-6,
           f"graph launch call {st, du, gp}")
+    check("layer pattern" not in out, "a layer pattern in a replay without one")
+    with tempfile.TemporaryDirectory() as d:
+        tr = os.path.join(d, "l.tsv")
+        build_layers(tr)
+        out2 = subprocess.run([sys.executable, SCRIPT, tr, "--skip", "2"], capture_output=True,
+                              text=True, check=True).stdout
+    p, k, o = num(r"layer pattern: (\d+) kernels repeated (\d+) times from node (\d+)", out2)
+    check((p, k, o) == (3, 3, 2), f"layer pattern {p, k, o}")
+    durs = [float(m.group(1)) for m in re.finditer(r"^\s+([\d.]+)\s+[\d.]+\s+\d+ x\s+\d+\s+[abc]_kernel",
+                                                    out2.split("layer pattern")[1], re.M)]
+    check(durs == [4.0, 2.0, 6.0], f"layer pattern durations {durs}")
+    (per_layer,) = num(r"([\d.]+) a layer with its gaps", out2)
+    check(abs(per_layer - (4.0 + 2.0 + 6.0 + 3 * 0.2)) < 1e-6, f"per layer {per_layer}")
     if fails:
         print(out)
+        print(out2)
         return 1
     print("test_trace_summary: all checks passed")
     return 0
