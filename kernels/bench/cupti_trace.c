@@ -106,7 +106,8 @@ static const char *copy_kind_name(uint8_t k) {
 }
 
 static void write_trace(void) {
-  cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+  if (cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED) != CUPTI_SUCCESS)
+    fprintf(stderr, "pd-cupti-trace: cuptiActivityFlushAll failed: the last records may be lost\n");
   const char *path = getenv("PD_TRACE_OUT");
   FILE *f = path && *path ? fopen(path, "w") : stderr;
   if (!f) {
