@@ -11,7 +11,8 @@ T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 mkdir -p "$T/bin" "$T/lib"
 for p in tools/pdctl router/pd-router prefill-node/pd-prefill decode-node/pd-decode \
-         kernels/cuda/pd-bench-cuda kernels/cuda/pd-bench-sync; do
+         kernels/cuda/pd-bench-cuda kernels/cuda/pd-bench-sync \
+         kernels/cuda/pd-bench-dataflow; do
   [ -x "$B/$p" ] && cp "$B/$p" "$T/bin/"
 done
 for t in "$B"/tests/test_cuda_* "$B"/tests/test_gpu_*; do
