@@ -27,16 +27,8 @@
 
 #include <vector>
 
+#include "bench_check.h"
 #include "pd/backend_cuda.h"
-
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t r_ = (x);                                                                  \
-    if (r_ != cudaSuccess) {                                                               \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(r_)); \
-      exit(1);                                                                             \
-    }                                                                                      \
-  } while (0)
 
 /* Fills n bf16 (or f32) values with a hash of their index, uniform in [-a, a). */
 __global__ void fill_bf16(__nv_bfloat16 *p, size_t n, float a, uint32_t seed) {

@@ -24,14 +24,7 @@
 #include <stdlib.h>
 #include <vector>
 
-#define CK(x)                                                                                    \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                     \
-      fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));                \
-      exit(1);                                                                                   \
-    }                                                                                            \
-  } while (0)
+#include "bench_check.h"
 
 constexpr int kWarps = 8, kThreads = kWarps * 32, kU = 4;
 
@@ -166,21 +159,8 @@ int main(int argc, char **argv) {
   CK(cudaStreamEndCapture(st, &g));
   CK(cudaGraphInstantiateWithFlags(&gx, g, 0));
   CK(cudaGraphUpload(gx, st));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  auto best_of = [&](auto run) {
-    float best = 1e30f;
-    for (int rep = 0; rep < 12; rep++) {
-      CK(cudaEventRecord(e0, st));
-      run();
-      CK(cudaEventRecord(e1, st));
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      if (rep > 1 && ms < best) best = ms;
-    }
-    return best * 1e3 / P;
+  auto best_of = [&](auto run) { /* us per phase */
+    return pd_bench_best_ms(st, 2, 10, run) * 1e3 / P;
   };
   const double tk = best_of([&] { CK(cudaGraphLaunch(gx, st)); });
   /* the counters are reset by a device copy before each run, timed alone and subtracted */

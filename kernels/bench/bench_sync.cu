@@ -17,16 +17,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-namespace cg = cooperative_groups;
+#include "bench_check.h"
 
-#define CK(x)                                                                                    \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                     \
-      fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));                \
-      exit(1);                                                                                   \
-    }                                                                                            \
-  } while (0)
+namespace cg = cooperative_groups;
 
 constexpr int kRowBytes = 8192, kThreads = 256, kU = 4;
 
@@ -111,9 +104,6 @@ int main(int argc, char **argv) {
   const int grid_k = (rows * 32 + kThreads - 1) / kThreads; /* a warp per row, like the GEMV */
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   printf("%s, %d SMs; %d chunks of %.1f MB (%d rows of 8 KB), %.0f MB in all; persistent grid "
          "%d x %d, per-chunk kernels %d x %d\n",
          p.name, p.multiProcessorCount, nch, chunk / 1048576.0, rows, total / 1048576.0, grid,
@@ -135,20 +125,8 @@ int main(int argc, char **argv) {
     cudaGraphDestroy(g);
     return x;
   };
-  auto time_of = [&](auto run) {
-    run();
-    CK(cudaStreamSynchronize(st));
-    float best = 1e30f;
-    for (int rep = 0; rep < 10; rep++) {
-      CK(cudaEventRecord(e0, st));
-      run();
-      CK(cudaEventRecord(e1, st));
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      if (ms < best) best = ms;
-    }
-    return best * 1e3 / nch; /* us per chunk */
+  auto time_of = [&](auto run) { /* us per chunk */
+    return pd_bench_best_ms(st, 1, 10, run) * 1e3 / nch;
   };
   auto report = [&](const char *what, double us) {
     printf("%-12s %8.2f us a chunk  %8.1f GB/s\n", what, us, chunk / us / 1e3);
