@@ -12,11 +12,13 @@
  *             slice). A warp requests its row's weights first and waits for each slice of its
  *             input only when its dot product reaches that slice, so no warp waits for the
  *             slowest block of the phase before, only for the slice it needs next.
- * Both give the same y_P (checked); the figure is microseconds per phase.
- * (Written in session 9 without device time left to run it: the next GPU session's first
- * measurement. pd-bench-sync's 32 MB chunks: 10.10 us a kernel, 8.56 streaming on.)
+ * Both give the same y_P (checked); the figure is microseconds per phase. On the H200
+ * (session 10): kernels 12.5 us a phase; dataflow 15.5 (S = 16), 23.2 (64), 13.5 (4), 10.8
+ * (S = 1: one counter per phase, weights in flight across the wait). A first version read x per
+ * warp through L2 (__ldcg): 28 / 52 us, L2-bound; x is read through L1 by the kernels (as the
+ * decode GEMV) and staged per block in shared memory by the dataflow kernel.
  *
- *   pd-bench-dataflow [P (16)] [N (4096)] */
+ *   pd-bench-dataflow [P (16)] [N (4096)] [S (16)] */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -38,21 +40,22 @@ __device__ __forceinline__ void fma8(const uint4 &w, const float4 &a, const floa
 }
 
 /* y[n] = W[n, :] . x for one row n, a warp: lane l takes the 16-byte chunks l, l + 32, ...
- * (8 weights each), kU of them in flight. wait(c0): called before the chunks from c0 on are
- * used (dataflow: waits for the slices they need); x read through L2 (other SMs write it). */
+ * (8 weights each), kU of them in flight, all requested before any is used. wait(c0): called
+ * between the loads and the use of the chunks from c0 on; returns where x's elements for them
+ * are (the kernels: x itself, read through L1 as the decode GEMV does; dataflow: the block's
+ * copy in shared memory, made once the slices they need have arrived). */
 template <typename Wait>
-__device__ __forceinline__ float row_dot(const uint4 *w, const float *x, int n_chunks, int lane,
-                                         Wait wait) {
+__device__ __forceinline__ float row_dot(const uint4 *w, int n_chunks, int lane, Wait wait) {
   float acc = 0.0f;
   for (int c0 = 0; c0 < n_chunks; c0 += 32 * kU) {
     uint4 v[kU];
 #pragma unroll
     for (int u = 0; u < kU; u++) v[u] = __ldcs(w + c0 + u * 32 + lane);
-    wait(c0);
+    const float *x = wait(c0);
 #pragma unroll
     for (int u = 0; u < kU; u++) {
       const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)(c0 + u * 32 + lane) * 8);
-      fma8(v[u], __ldcg(xp), __ldcg(xp + 1), acc);
+      fma8(v[u], xp[0], xp[1], acc);
     }
   }
 #pragma unroll
@@ -64,41 +67,53 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const __nv_bfloat16 *w, 
                                                         float *y, int N) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = blockIdx.x * kWarps + warp;
   if (n >= N) return;
-  const float d = row_dot(reinterpret_cast<const uint4 *>(w + (size_t)n * N), x, N / 8, lane,
-                          [](int) {});
+  const float d = row_dot(reinterpret_cast<const uint4 *>(w + (size_t)n * N), N / 8, lane,
+                          [&](int) { return x; });
   if (lane == 0) y[n] = d;
 }
 
 /* ys: [P + 1][N] (ys[0] = x); cnt: [P + 1][S] arrival counters, cnt[0][*] preset to done.
  * A slice is N / S outputs = (N / S) / kWarps blocks' rows; each block adds 1 to its slice's
- * counter once all its warps have written (rows of a block stay within one slice). */
+ * counter once all its warps have written (rows of a block stay within one slice). x is read by
+ * every row, so a block copies the slices of x it has reached into shared memory (N floats of
+ * dynamic shared memory), through L2 (other SMs wrote it; L1 is not coherent), one copy for its
+ * 8 warps: read per warp, x would be 2 bytes of L2 traffic per weight byte. All warps of a block
+ * walk K in step, so the copy is block-wide (__syncthreads). */
 __global__ void __launch_bounds__(kThreads) dataflow_kernel(const __nv_bfloat16 *w, float *ys,
                                                             unsigned *cnt, int N, int P, int S) {
+  extern __shared__ float4 xs4[];
+  float *xs = reinterpret_cast<float *>(xs4);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int slice_len = N / S, need = slice_len / kWarps; /* blocks per slice */
-  const int chunks_per_slice = slice_len / 8;
   const int nblk = N / kWarps; /* blocks' worth of rows per phase */
   for (int p = 1; p <= P; p++) {
     const float *x = ys + (size_t)(p - 1) * N;
     float *y = ys + (size_t)p * N;
     volatile unsigned *in_cnt = cnt + (size_t)(p - 1) * S;
+    int staged = 0; /* slices of x copied into xs, this phase */
     for (int b = blockIdx.x; b < nblk; b += gridDim.x) {
       const int n = b * kWarps + warp;
-      int ready = 0; /* slices of x known to be complete */
-      auto wait = [&](int c0) {
-        /* chunks [c0, c0 + 32 kU) cover x[8 c0, 8 (c0 + 32 kU)): slices up to the last one */
-        const int last = min(S - 1, (c0 + 32 * kU - 1) / chunks_per_slice);
-        while (ready <= last) {
-          if (lane == 0)
-            while (in_cnt[ready] < (unsigned)need) {
-            }
-          __syncwarp();
-          ready++;
+      auto wait = [&](int c0) -> const float * {
+        /* chunks [c0, c0 + 32 kU) cover x[8 c0, 8 (c0 + 32 kU)) */
+        const int last = min(S - 1, ((c0 + 32 * kU) * 8 - 1) / slice_len);
+        if (staged <= last) {
+          if (threadIdx.x == 0)
+            for (int s = staged; s <= last; s++)
+              while (in_cnt[s] < (unsigned)need) {
+              }
+          __syncthreads();
+          __threadfence();
+          const float4 *src = reinterpret_cast<const float4 *>(x);
+          for (int i = staged * slice_len / 4 + threadIdx.x; i < (last + 1) * slice_len / 4;
+               i += kThreads)
+            xs4[i] = __ldcg(src + i);
+          __syncthreads();
+          staged = last + 1;
         }
-        __threadfence();
+        return xs;
       };
       const float d = row_dot(reinterpret_cast<const uint4 *>(w + ((size_t)(p - 1) * N + n) * N),
-                              x, N / 8, lane, wait);
+                              N / 8, lane, wait);
       if (lane == 0) y[n] = d;
       __syncthreads();
       if (threadIdx.x == 0) {
@@ -106,15 +121,16 @@ __global__ void __launch_bounds__(kThreads) dataflow_kernel(const __nv_bfloat16 
         atomicAdd(cnt + (size_t)p * S + n / slice_len, 1u);
       }
     }
+    __syncthreads(); /* xs is refilled for the next phase */
   }
 }
 
 int main(int argc, char **argv) {
   const int P = argc > 1 ? atoi(argv[1]) : 16;
   const int N = argc > 2 ? atoi(argv[2]) : 4096;
-  const int S = 16;
-  if (N % (S * kWarps * 8) != 0 || N % (32 * kU * 8) != 0) {
-    fprintf(stderr, "N must be a multiple of %d\n", S * kWarps * 8 > 32 * kU * 8 ? S * kWarps * 8 : 32 * kU * 8);
+  const int S = argc > 3 ? atoi(argv[3]) : 16;
+  if (P < 1 || S < 1 || N < 1 || N % (S * kWarps * 8) != 0 || N % (32 * kU * 8) != 0) {
+    fprintf(stderr, "need P >= 1, S >= 1, N a multiple of both S * %d and %d\n", kWarps * 8, 32 * kU * 8);
     return 2;
   }
   cudaDeviceProp prop;
@@ -146,7 +162,10 @@ int main(int argc, char **argv) {
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   int per_sm = 0;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dataflow_kernel, kThreads, 0));
+  const size_t smem = (size_t)N * 4;
+  if (smem > 48 * 1024)
+    CK(cudaFuncSetAttribute(dataflow_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dataflow_kernel, kThreads, smem));
   const int grid_d = prop.multiProcessorCount * per_sm; /* every block resident: they spin */
   /* the kernels, as one graph */
   cudaGraph_t g;
@@ -166,7 +185,7 @@ int main(int argc, char **argv) {
   /* the counters are reset by a device copy before each run, timed alone and subtracted */
   const double td_with_reset = best_of([&] {
     CK(cudaMemcpyAsync(cnt, cnt0, hc.size() * 4, cudaMemcpyDeviceToDevice, st));
-    dataflow_kernel<<<grid_d, kThreads, 0, st>>>(w, ys_d, cnt, N, P, S);
+    dataflow_kernel<<<grid_d, kThreads, smem, st>>>(w, ys_d, cnt, N, P, S);
   });
   const double reset = best_of([&] {
     CK(cudaMemcpyAsync(cnt, cnt0, hc.size() * 4, cudaMemcpyDeviceToDevice, st));
