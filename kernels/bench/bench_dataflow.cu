@@ -5,18 +5,26 @@
  * P phases, each y_p = W_p y_{p-1} with W_p [N, N] bf16 (N = 4096: the o projection's shape;
  * distinct matrices, together far larger than L2), x = y_0 f32, run as:
  *   kernels   one GEMV kernel per phase (a warp per row, 4 chunks of 16 bytes in flight a lane,
- *             as the decode GEMV), replayed as one CUDA graph;
+ *             as the decode GEMV), replayed as one CUDA graph; x read by plain loads, and (a
+ *             second graph) through the read-only path as the decode GEMV reads it;
  *   dataflow  one persistent kernel: every warp takes its rows of phase 1, then of phase 2, ...;
  *             a row of phase p needs all of y_{p-1}, which arrives in S slices of N / S values,
  *             each counted done by the blocks that wrote it (an arrival counter per phase and
  *             slice). A warp requests its row's weights first and waits for each slice of its
  *             input only when its dot product reaches that slice, so no warp waits for the
- *             slowest block of the phase before, only for the slice it needs next.
- * Both give the same y_P (checked); the figure is microseconds per phase. On the H200
- * (session 10): kernels 12.5 us a phase; dataflow 15.5 (S = 16), 23.2 (64), 13.5 (4), 10.8
- * (S = 1: one counter per phase, weights in flight across the wait). A first version read x per
- * warp through L2 (__ldcg): 28 / 52 us, L2-bound; x is read through L1 by the kernels (as the
- * decode GEMV) and staged per block in shared memory by the dataflow kernel.
+ *             slowest block of the phase before, only for the slice it needs next;
+ *   dataflow (whole phase, x through L1)  the wait of the decode chain kernel tried in session
+ *             10: a block waits once for the whole phase before (one acquire), then reads x
+ *             from global memory by plain loads.
+ * All give the same y_P (checked); the figure is microseconds per phase. On the H200
+ * (session 10), 4096 x 4096: kernels 12.5 us a phase with x by plain loads, 10.6 through the
+ * read-only path; dataflow 15.5 (S = 16), 23.2 (64), 13.5 (4), 10.8 (S = 1: one counter per
+ * phase, weights in flight across the wait); whole phase with x through L1 13.6. 8192 x 8192:
+ * 41.6 / 39.9, dataflow (S = 1) 34.3, through L1 45.3. So against kernels that read x as the
+ * decode GEMV does, waiting in one kernel gains nothing at 4096 x 4096 and ~14% at 8192 x 8192,
+ * and only with x in shared memory: coherent loads of x (what data written in the same kernel
+ * needs, the read-only path being off limits) cost ~3 us a phase. (A first version read x per
+ * warp through L2: 28 / 52 us, L2-bound.)
  *
  *   pd-bench-dataflow [P (16)] [N (4096)] [S (16)] */
 #include <cuda_bf16.h>
@@ -44,7 +52,7 @@ __device__ __forceinline__ void fma8(const uint4 &w, const float4 &a, const floa
  * between the loads and the use of the chunks from c0 on; returns where x's elements for them
  * are (the kernels: x itself, read through L1 as the decode GEMV does; dataflow: the block's
  * copy in shared memory, made once the slices they need have arrived). */
-template <typename Wait>
+template <bool NC = false, typename Wait>
 __device__ __forceinline__ float row_dot(const uint4 *w, int n_chunks, int lane, Wait wait) {
   float acc = 0.0f;
   for (int c0 = 0; c0 < n_chunks; c0 += 32 * kU) {
@@ -55,7 +63,10 @@ __device__ __forceinline__ float row_dot(const uint4 *w, int n_chunks, int lane,
 #pragma unroll
     for (int u = 0; u < kU; u++) {
       const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)(c0 + u * 32 + lane) * 8);
-      fma8(v[u], xp[0], xp[1], acc);
+      if (NC)
+        fma8(v[u], __ldg(xp), __ldg(xp + 1), acc);
+      else
+        fma8(v[u], xp[0], xp[1], acc);
     }
   }
 #pragma unroll
@@ -63,12 +74,14 @@ __device__ __forceinline__ float row_dot(const uint4 *w, int n_chunks, int lane,
   return acc;
 }
 
+/* NC: x through the read-only path (__ldg), as the decode GEMV reads it; else plain loads */
+template <bool NC>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const __nv_bfloat16 *w, const float *x,
                                                         float *y, int N) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = blockIdx.x * kWarps + warp;
   if (n >= N) return;
-  const float d = row_dot(reinterpret_cast<const uint4 *>(w + (size_t)n * N), N / 8, lane,
-                          [&](int) { return x; });
+  const float d = row_dot<NC>(reinterpret_cast<const uint4 *>(w + (size_t)n * N), N / 8, lane,
+                              [&](int) { return x; });
   if (lane == 0) y[n] = d;
 }
 
@@ -125,6 +138,57 @@ __global__ void __launch_bounds__(kThreads) dataflow_kernel(const __nv_bfloat16 
   }
 }
 
+/* The same chain with the wait the decode chain kernel of session 10 used: the whole phase before
+ * (every slice counter), thread 0 polling with relaxed loads and acquiring once, a block
+ * barrier, then x read from global memory with plain loads (through L1, made coherent by the
+ * acquire) instead of a shared-memory copy. */
+__device__ __forceinline__ unsigned ld_relaxed(const unsigned *p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__global__ void __launch_bounds__(kThreads) dataflow_l1_kernel(const __nv_bfloat16 *w, float *ys,
+                                                               unsigned *cnt, int N, int P, int S) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slice_len = N / S, need = slice_len / kWarps;
+  const int nblk = N / kWarps;
+  for (int p = 1; p <= P; p++) {
+    const float *x = ys + (size_t)(p - 1) * N;
+    float *y = ys + (size_t)p * N;
+    const unsigned *in_cnt = cnt + (size_t)(p - 1) * S;
+    bool waited = false;
+    for (int b = blockIdx.x; b < nblk; b += gridDim.x) {
+      const int n = b * kWarps + warp;
+      auto wait = [&](int) -> const float * {
+        if (!waited) {
+          if (threadIdx.x == 0)
+            for (int s2 = 0; s2 < S; s2++) {
+              while (ld_relaxed(in_cnt + s2) < (unsigned)need) __nanosleep(32);
+              (void)ld_acquire(in_cnt + s2);
+            }
+          __syncthreads();
+          waited = true;
+        }
+        return x;
+      };
+      const float d = row_dot(reinterpret_cast<const uint4 *>(w + ((size_t)(p - 1) * N + n) * N),
+                              N / 8, lane, wait);
+      if (lane == 0) y[n] = d;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(cnt + (size_t)p * S + n / slice_len, 1u);
+      }
+    }
+  }
+}
+
 int main(int argc, char **argv) {
   const int P = argc > 1 ? atoi(argv[1]) : 16;
   const int N = argc > 2 ? atoi(argv[2]) : 4096;
@@ -145,12 +209,14 @@ int main(int argc, char **argv) {
   std::vector<float> hx(N);
   for (int i = 0; i < N; i++) hx[i] = sinf(0.1f * i);
   __nv_bfloat16 *w;
-  float *ys_k, *ys_d;
+  float *ys_k, *ys_d, *ys_l;
   unsigned *cnt;
   CK(cudaMalloc(&w, wn * 2));
   CK(cudaMemcpy(w, hw.data(), wn * 2, cudaMemcpyHostToDevice));
   CK(cudaMalloc(&ys_k, (size_t)(P + 1) * N * 4));
   CK(cudaMalloc(&ys_d, (size_t)(P + 1) * N * 4));
+  CK(cudaMalloc(&ys_l, (size_t)(P + 1) * N * 4));
+  CK(cudaMemcpy(ys_l, hx.data(), (size_t)N * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(ys_k, hx.data(), (size_t)N * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(ys_d, hx.data(), (size_t)N * 4, cudaMemcpyHostToDevice));
   CK(cudaMalloc(&cnt, (size_t)(P + 1) * S * 4));
@@ -167,21 +233,36 @@ int main(int argc, char **argv) {
     CK(cudaFuncSetAttribute(dataflow_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dataflow_kernel, kThreads, smem));
   const int grid_d = prop.multiProcessorCount * per_sm; /* every block resident: they spin */
-  /* the kernels, as one graph */
-  cudaGraph_t g;
-  cudaGraphExec_t gx;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
-  for (int p = 1; p <= P; p++)
-    gemv_kernel<<<N / kWarps, kThreads, 0, st>>>(w + (size_t)(p - 1) * N * N,
-                                                 ys_k + (size_t)(p - 1) * N,
-                                                 ys_k + (size_t)p * N, N);
-  CK(cudaStreamEndCapture(st, &g));
-  CK(cudaGraphInstantiateWithFlags(&gx, g, 0));
-  CK(cudaGraphUpload(gx, st));
+  int per_sm_l = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_l, dataflow_l1_kernel, kThreads, 0));
+  const int grid_l = prop.multiProcessorCount * (per_sm_l < 4 ? per_sm_l : 4);
+  /* the kernels, as one graph (x through plain loads, and through the read-only path) */
+  cudaGraph_t g[2];
+  cudaGraphExec_t gx[2];
+  for (int nc = 0; nc < 2; nc++) {
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
+    for (int p = 1; p <= P; p++) {
+      const __nv_bfloat16 *wp = w + (size_t)(p - 1) * N * N;
+      const float *xp = ys_k + (size_t)(p - 1) * N;
+      float *yp = ys_k + (size_t)p * N;
+      if (nc)
+        gemv_kernel<true><<<N / kWarps, kThreads, 0, st>>>(wp, xp, yp, N);
+      else
+        gemv_kernel<false><<<N / kWarps, kThreads, 0, st>>>(wp, xp, yp, N);
+    }
+    CK(cudaStreamEndCapture(st, &g[nc]));
+    CK(cudaGraphInstantiateWithFlags(&gx[nc], g[nc], 0));
+    CK(cudaGraphUpload(gx[nc], st));
+  }
   auto best_of = [&](auto run) { /* us per phase */
     return pd_bench_best_ms(st, 2, 10, run) * 1e3 / P;
   };
-  const double tk = best_of([&] { CK(cudaGraphLaunch(gx, st)); });
+  const double tk = best_of([&] { CK(cudaGraphLaunch(gx[0], st)); });
+  const double tk_nc = best_of([&] { CK(cudaGraphLaunch(gx[1], st)); });
+  const double tl_with_reset = best_of([&] {
+    CK(cudaMemcpyAsync(cnt, cnt0, hc.size() * 4, cudaMemcpyDeviceToDevice, st));
+    dataflow_l1_kernel<<<grid_l, kThreads, 0, st>>>(w, ys_l, cnt, N, P, S);
+  });
   /* the counters are reset by a device copy before each run, timed alone and subtracted */
   const double td_with_reset = best_of([&] {
     CK(cudaMemcpyAsync(cnt, cnt0, hc.size() * 4, cudaMemcpyDeviceToDevice, st));
@@ -191,21 +272,27 @@ int main(int argc, char **argv) {
     CK(cudaMemcpyAsync(cnt, cnt0, hc.size() * 4, cudaMemcpyDeviceToDevice, st));
   });
   CK(cudaStreamSynchronize(st));
-  std::vector<float> yk(N), yd(N);
+  std::vector<float> yk(N), yd(N), yl(N);
   CK(cudaMemcpy(yk.data(), ys_k + (size_t)P * N, (size_t)N * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(yd.data(), ys_d + (size_t)P * N, (size_t)N * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(yl.data(), ys_l + (size_t)P * N, (size_t)N * 4, cudaMemcpyDeviceToHost));
   double maxd = 0, maxv = 0;
   for (int i = 0; i < N; i++) {
-    maxd = fmax(maxd, fabs((double)yk[i] - yd[i]));
+    maxd = fmax(maxd, fmax(fabs((double)yk[i] - yd[i]), fabs((double)yk[i] - yl[i])));
     maxv = fmax(maxv, fabs((double)yk[i]));
   }
   const double bytes = (double)N * N * 2;
   printf("%s: %d phases of %d x %d bf16 (%.1f MB each), dataflow grid %d x %d, %d slices\n",
          prop.name, P, N, N, bytes / 1e6, grid_d, kThreads, S);
-  printf("kernels   %8.2f us a phase  %7.1f GB/s\n", tk, bytes / tk / 1e3);
+  printf("kernels   %8.2f us a phase  %7.1f GB/s  (x by plain loads)\n", tk, bytes / tk / 1e3);
+  printf("kernels   %8.2f us a phase  %7.1f GB/s  (x through the read-only path)\n", tk_nc,
+         bytes / tk_nc / 1e3);
   printf("dataflow  %8.2f us a phase  %7.1f GB/s  (counter reset %.2f us a phase, subtracted)\n",
          td_with_reset - reset, bytes / (td_with_reset - reset) / 1e3, reset);
-  printf("y_P: max |kernels - dataflow| %.3g of max |y| %.3g: %s\n", maxd, maxv,
+  printf("dataflow  %8.2f us a phase  %7.1f GB/s  (whole phase, one acquire a block, x through "
+         "L1; grid %d)\n",
+         tl_with_reset - reset, bytes / (tl_with_reset - reset) / 1e3, grid_l);
+  printf("y_P: max |kernels - dataflows| %.3g of max |y| %.3g: %s\n", maxd, maxv,
          maxd <= 1e-5 * fmax(1.0, maxv) ? "same" : "DIFFERENT");
   return maxd <= 1e-5 * fmax(1.0, maxv) ? 0 : 1;
 }
