@@ -5,8 +5,9 @@
  * P phases, each y_p = W_p y_{p-1} with W_p [N, N] bf16 (N = 4096: the o projection's shape;
  * distinct matrices, together far larger than L2), x = y_0 f32, run as:
  *   kernels   one GEMV kernel per phase (a warp per row, 4 chunks of 16 bytes in flight a lane,
- *             as the decode GEMV), replayed as one CUDA graph; x read by plain loads, and (a
- *             second graph) through the read-only path as the decode GEMV reads it;
+ *             as the decode GEMV), replayed as one CUDA graph; x read by plain loads, through
+ *             the read-only path as the decode GEMV reads it (a second graph), or copied per
+ *             block into shared memory (a third);
  *   dataflow  one persistent kernel: every warp takes its rows of phase 1, then of phase 2, ...;
  *             a row of phase p needs all of y_{p-1}, which arrives in S slices of N / S values,
  *             each counted done by the blocks that wrote it (an arrival counter per phase and
@@ -18,11 +19,11 @@
  *             from global memory by plain loads.
  * All give the same y_P (checked); the figure is microseconds per phase. On the H200
  * (session 10), 4096 x 4096: kernels 12.5 us a phase with x by plain loads, 10.6 through the
- * read-only path; dataflow 15.5 (S = 16), 23.2 (64), 13.5 (4), 10.8 (S = 1: one counter per
- * phase, weights in flight across the wait); whole phase with x through L1 13.6. 8192 x 8192:
- * 41.6 / 39.9, dataflow (S = 1) 34.3, through L1 45.3. So against kernels that read x as the
- * decode GEMV does, waiting in one kernel gains nothing at 4096 x 4096 and ~14% at 8192 x 8192,
- * and only with x in shared memory: coherent loads of x (what data written in the same kernel
+ * read-only path, 11.3 from shared memory; dataflow 15.5 (S = 16), 23.2 (64), 13.5 (4), 10.8
+ * (S = 1: one counter per phase, weights in flight across the wait); whole phase with x
+ * through L1 13.6. 8192 x 8192: 41.6 / 39.9 / 39.3, dataflow (S = 1) 34.0, through L1 45.1.
+ * So against kernels that read x as the decode GEMV does, waiting in one kernel gains nothing
+ * at 4096 x 4096 and ~15% at 8192 x 8192, and only with x in shared memory: coherent loads of x (what data written in the same kernel
  * needs, the read-only path being off limits) cost ~3 us a phase. (A first version read x per
  * warp through L2: 28 / 52 us, L2-bound.)
  *
@@ -83,6 +84,27 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const __nv_bfloat16 *w, 
   const float d = row_dot<NC>(reinterpret_cast<const uint4 *>(w + (size_t)n * N), N / 8, lane,
                               [&](int) { return x; });
   if (lane == 0) y[n] = d;
+}
+
+/* The kernels with x copied into shared memory by each block (after its warps requested their
+ * first weights) instead of read through the read-only path by every warp. */
+__global__ void __launch_bounds__(kThreads) gemv_smem_kernel(const __nv_bfloat16 *w, const float *x,
+                                                             float *y, int N) {
+  extern __shared__ float4 xs4[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = blockIdx.x * kWarps + warp;
+  bool staged = false;
+  const float d = row_dot(reinterpret_cast<const uint4 *>(w + (size_t)(n < N ? n : 0) * N), N / 8,
+                          lane, [&](int) -> const float * {
+                            if (!staged) {
+                              const float4 *src = reinterpret_cast<const float4 *>(x);
+                              for (int i = threadIdx.x; i < N / 4; i += kThreads)
+                                xs4[i] = __ldg(src + i);
+                              __syncthreads();
+                              staged = true;
+                            }
+                            return reinterpret_cast<const float *>(xs4);
+                          });
+  if (lane == 0 && n < N) y[n] = d;
 }
 
 /* ys: [P + 1][N] (ys[0] = x); cnt: [P + 1][S] arrival counters, cnt[0][*] preset to done.
@@ -237,15 +259,19 @@ int main(int argc, char **argv) {
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_l, dataflow_l1_kernel, kThreads, 0));
   const int grid_l = prop.multiProcessorCount * (per_sm_l < 4 ? per_sm_l : 4);
   /* the kernels, as one graph (x through plain loads, and through the read-only path) */
-  cudaGraph_t g[2];
-  cudaGraphExec_t gx[2];
-  for (int nc = 0; nc < 2; nc++) {
+  if (smem > 48 * 1024)
+    CK(cudaFuncSetAttribute(gemv_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  cudaGraph_t g[3];
+  cudaGraphExec_t gx[3];
+  for (int nc = 0; nc < 3; nc++) {
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
     for (int p = 1; p <= P; p++) {
       const __nv_bfloat16 *wp = w + (size_t)(p - 1) * N * N;
       const float *xp = ys_k + (size_t)(p - 1) * N;
       float *yp = ys_k + (size_t)p * N;
-      if (nc)
+      if (nc == 2)
+        gemv_smem_kernel<<<N / kWarps, kThreads, smem, st>>>(wp, xp, yp, N);
+      else if (nc)
         gemv_kernel<true><<<N / kWarps, kThreads, 0, st>>>(wp, xp, yp, N);
       else
         gemv_kernel<false><<<N / kWarps, kThreads, 0, st>>>(wp, xp, yp, N);
@@ -259,6 +285,7 @@ int main(int argc, char **argv) {
   };
   const double tk = best_of([&] { CK(cudaGraphLaunch(gx[0], st)); });
   const double tk_nc = best_of([&] { CK(cudaGraphLaunch(gx[1], st)); });
+  const double tk_sm = best_of([&] { CK(cudaGraphLaunch(gx[2], st)); });
   const double tl_with_reset = best_of([&] {
     CK(cudaMemcpyAsync(cnt, cnt0, hc.size() * 4, cudaMemcpyDeviceToDevice, st));
     dataflow_l1_kernel<<<grid_l, kThreads, 0, st>>>(w, ys_l, cnt, N, P, S);
@@ -287,6 +314,8 @@ int main(int argc, char **argv) {
   printf("kernels   %8.2f us a phase  %7.1f GB/s  (x by plain loads)\n", tk, bytes / tk / 1e3);
   printf("kernels   %8.2f us a phase  %7.1f GB/s  (x through the read-only path)\n", tk_nc,
          bytes / tk_nc / 1e3);
+  printf("kernels   %8.2f us a phase  %7.1f GB/s  (x copied per block into shared memory)\n",
+         tk_sm, bytes / tk_sm / 1e3);
   printf("dataflow  %8.2f us a phase  %7.1f GB/s  (counter reset %.2f us a phase, subtracted)\n",
          td_with_reset - reset, bytes / (td_with_reset - reset) / 1e3, reset);
   printf("dataflow  %8.2f us a phase  %7.1f GB/s  (whole phase, one acquire a block, x through "
