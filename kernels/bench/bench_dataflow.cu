@@ -23,9 +23,9 @@
  * (S = 1: one counter per phase, weights in flight across the wait); whole phase with x
  * through L1 13.6. 8192 x 8192: 41.6 / 39.9 / 39.3, dataflow (S = 1) 34.0, through L1 45.1.
  * So against kernels that read x as the decode GEMV does, waiting in one kernel gains nothing
- * at 4096 x 4096 and ~15% at 8192 x 8192, and only with x in shared memory: coherent loads of x (what data written in the same kernel
- * needs, the read-only path being off limits) cost ~3 us a phase. (A first version read x per
- * warp through L2: 28 / 52 us, L2-bound.)
+ * at 4096 x 4096 and ~15% at 8192 x 8192, and only with x in shared memory: coherent loads of
+ * x (what data written in the same kernel needs, the read-only path being off limits) cost
+ * ~3 us a phase. (A first version read x per warp through L2: 28 / 52 us, L2-bound.)
  *
  *   pd-bench-dataflow [P (16)] [N (4096)] [S (16)] */
 #include <cuda_bf16.h>
@@ -51,8 +51,8 @@ __device__ __forceinline__ void fma8(const uint4 &w, const float4 &a, const floa
 /* y[n] = W[n, :] . x for one row n, a warp: lane l takes the 16-byte chunks l, l + 32, ...
  * (8 weights each), kU of them in flight, all requested before any is used. wait(c0): called
  * between the loads and the use of the chunks from c0 on; returns where x's elements for them
- * are (the kernels: x itself, read through L1 as the decode GEMV does; dataflow: the block's
- * copy in shared memory, made once the slices they need have arrived). */
+ * are (x itself, or the block's copy in shared memory, made once the slices they need have
+ * arrived); NC: x read through the read-only path. */
 template <bool NC = false, typename Wait>
 __device__ __forceinline__ float row_dot(const uint4 *w, int n_chunks, int lane, Wait wait) {
   float acc = 0.0f;
@@ -216,7 +216,8 @@ int main(int argc, char **argv) {
   const int N = argc > 2 ? atoi(argv[2]) : 4096;
   const int S = argc > 3 ? atoi(argv[3]) : 16;
   if (P < 1 || S < 1 || N < 1 || N % (S * kWarps * 8) != 0 || N % (32 * kU * 8) != 0) {
-    fprintf(stderr, "need P >= 1, S >= 1, N a multiple of both S * %d and %d\n", kWarps * 8, 32 * kU * 8);
+    fprintf(stderr, "need P >= 1, S >= 1, N a multiple of both S * %d and %d\n", kWarps * 8,
+            32 * kU * 8);
     return 2;
   }
   cudaDeviceProp prop;
@@ -252,15 +253,18 @@ int main(int argc, char **argv) {
   int per_sm = 0;
   const size_t smem = (size_t)N * 4;
   if (smem > 48 * 1024)
-    CK(cudaFuncSetAttribute(dataflow_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CK(cudaFuncSetAttribute(dataflow_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)smem));
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dataflow_kernel, kThreads, smem));
   const int grid_d = prop.multiProcessorCount * per_sm; /* every block resident: they spin */
   int per_sm_l = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_l, dataflow_l1_kernel, kThreads, 0));
   const int grid_l = prop.multiProcessorCount * (per_sm_l < 4 ? per_sm_l : 4);
-  /* the kernels, as one graph (x through plain loads, and through the read-only path) */
+  /* the kernels, as one graph each way of reading x: plain loads, the read-only path, shared
+   * memory */
   if (smem > 48 * 1024)
-    CK(cudaFuncSetAttribute(gemv_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CK(cudaFuncSetAttribute(gemv_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)smem));
   cudaGraph_t g[3];
   cudaGraphExec_t gx[3];
   for (int nc = 0; nc < 3; nc++) {
@@ -299,14 +303,20 @@ int main(int argc, char **argv) {
     CK(cudaMemcpyAsync(cnt, cnt0, hc.size() * 4, cudaMemcpyDeviceToDevice, st));
   });
   CK(cudaStreamSynchronize(st));
+  /* y_P of each kernels graph (run again, one after the other) against both dataflows' */
   std::vector<float> yk(N), yd(N), yl(N);
-  CK(cudaMemcpy(yk.data(), ys_k + (size_t)P * N, (size_t)N * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(yd.data(), ys_d + (size_t)P * N, (size_t)N * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(yl.data(), ys_l + (size_t)P * N, (size_t)N * 4, cudaMemcpyDeviceToHost));
   double maxd = 0, maxv = 0;
-  for (int i = 0; i < N; i++) {
-    maxd = fmax(maxd, fmax(fabs((double)yk[i] - yd[i]), fabs((double)yk[i] - yl[i])));
-    maxv = fmax(maxv, fabs((double)yk[i]));
+  for (int nc = 0; nc < 3; nc++) {
+    CK(cudaMemsetAsync(ys_k + N, 0, (size_t)P * N * 4, st));
+    CK(cudaGraphLaunch(gx[nc], st));
+    CK(cudaStreamSynchronize(st));
+    CK(cudaMemcpy(yk.data(), ys_k + (size_t)P * N, (size_t)N * 4, cudaMemcpyDeviceToHost));
+    for (int i = 0; i < N; i++) {
+      maxd = fmax(maxd, fmax(fabs((double)yk[i] - yd[i]), fabs((double)yk[i] - yl[i])));
+      maxv = fmax(maxv, fabs((double)yk[i]));
+    }
   }
   const double bytes = (double)N * N * 2;
   printf("%s: %d phases of %d x %d bf16 (%.1f MB each), dataflow grid %d x %d, %d slices\n",
