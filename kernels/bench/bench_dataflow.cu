@@ -107,6 +107,20 @@ __global__ void __launch_bounds__(kThreads) gemv_smem_kernel(const __nv_bfloat16
   if (lane == 0 && n < N) y[n] = d;
 }
 
+/* Row n of a phase (w: the phase's weights) written to y, then, once all the block's warps have
+ * written, counted on its slice's arrival counter (cnt_p: the phase's S counters). */
+template <typename Wait>
+__device__ __forceinline__ void row_arrive(const __nv_bfloat16 *w, float *y, unsigned *cnt_p,
+                                           int N, int n, int slice_len, int lane, Wait wait) {
+  const float d = row_dot(reinterpret_cast<const uint4 *>(w + (size_t)n * N), N / 8, lane, wait);
+  if (lane == 0) y[n] = d;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(cnt_p + n / slice_len, 1u);
+  }
+}
+
 /* ys: [P + 1][N] (ys[0] = x); cnt: [P + 1][S] arrival counters, cnt[0][*] preset to done.
  * A slice is N / S outputs = (N / S) / kWarps blocks' rows; each block adds 1 to its slice's
  * counter once all its warps have written (rows of a block stay within one slice). x is read by
@@ -147,14 +161,7 @@ __global__ void __launch_bounds__(kThreads) dataflow_kernel(const __nv_bfloat16 
         }
         return xs;
       };
-      const float d = row_dot(reinterpret_cast<const uint4 *>(w + ((size_t)(p - 1) * N + n) * N),
-                              N / 8, lane, wait);
-      if (lane == 0) y[n] = d;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(cnt + (size_t)p * S + n / slice_len, 1u);
-      }
+      row_arrive(w + (size_t)(p - 1) * N * N, y, cnt + (size_t)p * S, N, n, slice_len, lane, wait);
     }
     __syncthreads(); /* xs is refilled for the next phase */
   }
@@ -199,14 +206,7 @@ __global__ void __launch_bounds__(kThreads) dataflow_l1_kernel(const __nv_bfloat
         }
         return x;
       };
-      const float d = row_dot(reinterpret_cast<const uint4 *>(w + ((size_t)(p - 1) * N + n) * N),
-                              N / 8, lane, wait);
-      if (lane == 0) y[n] = d;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(cnt + (size_t)p * S + n / slice_len, 1u);
-      }
+      row_arrive(w + (size_t)(p - 1) * N * N, y, cnt + (size_t)p * S, N, n, slice_len, lane, wait);
     }
   }
 }
