@@ -29,13 +29,15 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kWarps = 4;
 constexpr int BN = 64; /* keys per tile: 16 per warp */
+constexpr int kMaxCluster = 8; /* the portable cluster size: splits merged in a cluster */
 
 template <int HD> struct tc_geom {
   static constexpr int LD = HD + 8;           /* smem row stride in elements */
   static constexpr int CPR = HD * 2 / 16;     /* 16-byte chunks per row */
   static constexpr int STAGE = 2 * BN * LD;   /* K then V, elements */
   static constexpr size_t SMEM_TILES = (size_t)2 * STAGE * 2;           /* two stages, bytes */
-  static constexpr size_t SMEM_MERGE = (size_t)kWarps * 16 * (HD + 2) * 4; /* O, m, l */
+  /* O, m, l, the merge weights [warp][16], then the rows' max and denominator [16] each */
+  static constexpr size_t SMEM_MERGE = ((size_t)kWarps * 16 * (HD + 3) + 32) * 4;
   /* CL: the block's merged O [16][HD] and (m, l) [16], after the warps' merge area */
   static constexpr size_t CL_OFF = (SMEM_MERGE + 15) / 16 * 16;
   static constexpr size_t SMEM_CL = CL_OFF + (size_t)16 * HD * 4 + 16 * 8;
@@ -55,8 +57,46 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, lg = lane >> 2, lt = lane & 3;
   const int s = blockIdx.x, g = blockIdx.y, split = blockIdx.z;
   const int G = a.group, nq = a.n_q_heads, nkv = a.n_kv_heads, bs = a.block_size;
-  const int t = a.q_start[s];
+  /* one new token per sequence: q_start[s] = s (not loaded) */
+  const int t = s;
+  const size_t qrow0 = (size_t)t * nq + (size_t)g * G; /* first query row of the group */
+  const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
+  /* A block's first loads go out before any of them is used, the context length included (its
+   * first use, the split's bounds, would otherwise hold back everything after it by an L2
+   * round trip): Q's rows, then, where the split's first key does not depend on the context
+   * length (a fixed split length and no window), the first tile's block-table entries. */
   const int L = a.ctx_len[s];
+  constexpr int QJ = 16 * (HD / 2) / kThreads; /* Q pairs a thread stages */
+  static_assert(16 * (HD / 2) % kThreads == 0, "Q's pairs split evenly over the threads");
+  const float *qg = a.q + qrow0 * HD;
+  float2 qv[QJ]; /* zero rows past G */
+#pragma unroll
+  for (int j = 0; j < QJ; j++) {
+    const unsigned i = tid + j * kThreads, r = i / (HD / 2), d = (i - r * (HD / 2)) * 2;
+    qv[j] = (int)r < G ? *reinterpret_cast<const float2 *>(qg + r * HD + d)
+                       : make_float2(0.0f, 0.0f);
+  }
+  /* A thread copies NJ 16-byte chunks of K and of V per tile: rows (tid + j * kThreads) / CPR.
+   * Their pages' ids are read from the block table one tile ahead of the copies (pid), so that
+   * issuing a tile's copies waits for no load, and power-of-two page sizes take shifts. */
+  constexpr int NJ = BN * CPR / kThreads;
+  static_assert(BN * CPR % kThreads == 0, "a tile's chunks split evenly over the threads");
+  const int bs_sh = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
+  auto page_of = [&](int kp) { return bs_sh >= 0 ? kp >> bs_sh : kp / bs; };
+  /* the table entry of key kp (clamped into the sequence's row: loaded before kp is known to
+   * be inside the context, masked after) */
+  auto table_at = [&](int kp) {
+    const int pi = page_of(kp);
+    return __ldg(bt + (pi < a.max_blocks ? pi : a.max_blocks - 1));
+  };
+  const bool pre = a.split_len > 0 && a.window <= 0;
+  const long long kpre_l = pre ? (long long)split * a.split_len : 0;
+  const int kpre = kpre_l < (long long)a.max_blocks * bs ? (int)kpre_l : 0;
+  int pre_page[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; j++)
+    pre_page[j] = pre ? table_at(kpre + (tid + j * kThreads) / CPR) : -1;
+
   const int lo = a.window > 0 && L - a.window > 0 ? L - a.window : 0;
   long long sl = a.split_len;
   if (sl <= 0) {
@@ -64,9 +104,8 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     sl = sl < 64 ? 64 : (sl + 63) / 64 * 64;
   }
   const long long kb_l = (long long)lo + (long long)split * sl;
-  const int kbeg = kb_l < L ? (int)kb_l : L;
+  const int kbeg = kb_l < L ? (int)kb_l : L; /* (pre and a split with keys: kbeg = kpre) */
   const int kend = kb_l + sl < L ? (int)(kb_l + sl) : L;
-  const size_t qrow0 = (size_t)t * nq + (size_t)g * G; /* first query row of the group */
 
   if (!CL && kbeg >= kend) { /* an empty split (n_splits > 1 only) */
     if (tid < G)
@@ -77,23 +116,15 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
    * reaches its barriers) */
 
   const KT *kc = static_cast<const KT *>(a.k), *vc = static_cast<const KT *>(a.v);
-  const int32_t *bt = a.block_tables + (size_t)s * a.max_blocks;
   const int n_tiles = kbeg < kend ? (kend - kbeg + BN - 1) / BN : 0;
-
-  /* A thread copies NJ 16-byte chunks of K and of V per tile: rows (tid + j * kThreads) / CPR.
-   * Their pages' ids are read from the block table one tile ahead of the copies (pid), so that
-   * issuing a tile's copies waits for no load, and power-of-two page sizes take shifts. */
-  constexpr int NJ = BN * CPR / kThreads;
-  static_assert(BN * CPR % kThreads == 0, "a tile's chunks split evenly over the threads");
-  const int bs_sh = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
-  auto page_of = [&](int kp) { return bs_sh >= 0 ? kp >> bs_sh : kp / bs; };
   int pid[NJ]; /* page of each of this thread's rows in the next tile to copy, -1 past the end */
   auto read_pages = [&](int tile) {
     const int k0 = kbeg + tile * BN;
 #pragma unroll
     for (int j = 0; j < NJ; j++) {
       const int kp = k0 + (tid + j * kThreads) / CPR;
-      pid[j] = kp < kend ? __ldg(bt + page_of(kp)) : -1;
+      const int p = tile == 0 && pre ? pre_page[j] : table_at(kp);
+      pid[j] = kp < kend ? p : -1;
     }
   };
   auto load_tile = [&](int tile, int stage) {
@@ -111,19 +142,18 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     pd_cp_async_commit();
   };
 
-  /* the first tile's copies go out before Q is staged: the two loads overlap */
   if (n_tiles > 0) {
     read_pages(0);
     load_tile(0, 0);
     if (n_tiles > 1) read_pages(1);
   }
-  /* Q rows (scaled into the log2 domain), zero rows past G */
+  /* Q rows into shared memory, scaled into the log2 domain */
   const float qscale = a.scale * PD_LOG2E;
-  for (int i = tid; i < 16 * (HD / 2); i += kThreads) {
-    const int r = i / (HD / 2), d = (i - r * (HD / 2)) * 2;
-    float2 v = make_float2(0.0f, 0.0f);
-    if (r < G) v = *reinterpret_cast<const float2 *>(a.q + (qrow0 + r) * HD + d);
-    *reinterpret_cast<uint32_t *>(&sQ[r * LD + d]) = pd_tc<KT>::pack(v.x * qscale, v.y * qscale);
+#pragma unroll
+  for (int j = 0; j < QJ; j++) {
+    const int i = tid + j * kThreads, r = i / (HD / 2), d = (i - r * (HD / 2)) * 2;
+    *reinterpret_cast<uint32_t *>(&sQ[r * LD + d]) =
+        pd_tc<KT>::pack(qv[j].x * qscale, qv[j].y * qscale);
   }
 
   __syncthreads(); /* sQ */
@@ -226,12 +256,16 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   lB += __shfl_xor_sync(0xffffffffu, lB, 2);
   float *sO = reinterpret_cast<float *>(smem);             /* [warp][16][HD] */
   float *sM = sO + kWarps * 16 * HD, *sL = sM + kWarps * 16; /* [warp][16] */
+  float *sW = sL + kWarps * 16, *sMx = sW + kWarps * 16, *sDen = sMx + 16;
 #pragma unroll
-  for (int dt = 0; dt < DT; dt++) {
+  for (int dt = 0; dt < DT; dt++) { /* the G rows only (the rest are the tile's zero rows) */
     const int d = dt * 8 + lt * 2;
-    *reinterpret_cast<float2 *>(&sO[(warp * 16 + lg) * HD + d]) = make_float2(o[dt][0], o[dt][1]);
-    *reinterpret_cast<float2 *>(&sO[(warp * 16 + lg + 8) * HD + d]) =
-        make_float2(o[dt][2], o[dt][3]);
+    if (lg < G)
+      *reinterpret_cast<float2 *>(&sO[(warp * 16 + lg) * HD + d]) =
+          make_float2(o[dt][0], o[dt][1]);
+    if (lg + 8 < G)
+      *reinterpret_cast<float2 *>(&sO[(warp * 16 + lg + 8) * HD + d]) =
+          make_float2(o[dt][2], o[dt][3]);
   }
   if (lt == 0) {
     sM[warp * 16 + lg] = mA;
@@ -240,19 +274,31 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     sL[warp * 16 + lg + 8] = lB;
   }
   __syncthreads();
-  for (int i = tid; i < G * HD; i += kThreads) {
-    const int r = i / HD, d = i - r * HD;
+  /* each row's weights 2^(m_w - max) and denominator once, not per element */
+  if (tid < G) {
+    const int r = tid;
     float M = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; w++) M = fmaxf(M, sM[w * 16 + r]);
-    float num = 0.0f, den = 0.0f;
+    float den = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; w++) {
       const float mw = sM[w * 16 + r];
       const float wt = mw == -INFINITY ? 0.0f : exp2f(mw - M);
-      num += wt * sO[(w * 16 + r) * HD + d];
+      sW[w * 16 + r] = wt;
       den += wt * sL[w * 16 + r];
     }
+    sMx[r] = M;
+    sDen[r] = den;
+  }
+  __syncthreads();
+#pragma unroll 4
+  for (int i = tid; i < G * HD; i += kThreads) {
+    const int r = i / HD, d = i - r * HD;
+    const float M = sMx[r], den = sDen[r];
+    float num = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; w++) num += sW[w * 16 + r] * sO[(w * 16 + r) * HD + d];
     if (CL) {
       float *cO = reinterpret_cast<float *>(smem + G_::CL_OFF);
       cO[r * HD + d] = num;
@@ -275,29 +321,43 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     float *cO = reinterpret_cast<float *>(smem + G_::CL_OFF);
     for (int i = rank * kThreads + tid; i < G * HD; i += nb * kThreads) {
       const int r = i / HD, d = i - r * HD;
-      float M = -INFINITY;
-      for (int k = 0; k < nb; k++) {
-        const float2 *ml = reinterpret_cast<const float2 *>(cl.map_shared_rank(cO, k) + 16 * HD);
-        M = fmaxf(M, ml[r].x);
+      /* every block's (m, l) and O element requested before any is used: one round trip */
+      float2 ml[kMaxCluster];
+      float ov[kMaxCluster];
+#pragma unroll
+      for (int k = 0; k < kMaxCluster; k++) {
+        if (k < nb) {
+          const float *po = cl.map_shared_rank(cO, k);
+          ml[k] = reinterpret_cast<const float2 *>(po + 16 * HD)[r];
+          ov[k] = po[r * HD + d];
+        }
       }
+      float M = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kMaxCluster; k++)
+        if (k < nb) M = fmaxf(M, ml[k].x);
       float num = 0.0f, den = 0.0f;
-      for (int k = 0; k < nb; k++) {
-        const float *po = cl.map_shared_rank(cO, k);
-        const float2 ml = reinterpret_cast<const float2 *>(po + 16 * HD)[r];
-        const float wt = ml.x == -INFINITY ? 0.0f : exp2f(ml.x - M);
-        num += wt * po[r * HD + d];
-        den += wt * ml.y;
+#pragma unroll
+      for (int k = 0; k < kMaxCluster; k++) {
+        if (k < nb) {
+          const float wt = ml[k].x == -INFINITY ? 0.0f : exp2f(ml[k].x - M);
+          num += wt * ov[k];
+          den += wt * ml[k].y;
+        }
       }
       pd_attn_store(a, (qrow0 + r) * HD + d, num / den);
     }
-    cl.sync(); /* no block leaves while the others read its shared memory */
+    /* no block leaves while the others read its shared memory: a relaxed arrival (no memory
+     * fence: nothing written here is read after it; the reads above are complete, their values
+     * used) */
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 #else
     __trap(); /* launched only on compute capability 9.0 and later */
 #endif
   }
 }
 
-constexpr int kMaxCluster = 8; /* the portable cluster size */
 
 /* The launch of the CL kernel over `grid`, the splits (grid z) of a (sequence, KV head) one
  * cluster; *at is the cluster attribute cfg points to. Also sets the shared-memory opt-in. */

@@ -668,7 +668,10 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       }
       choose_splits(c, &a, blocks, (long long)per_sm * c->n_sm, span, blocks < c->n_sm ? 64 : 256,
                     64);
-      if (a.n_splits > 1) a.split_len = 0; /* per sequence: see pd_cuda_attn */
+      /* per sequence (see pd_cuda_attn), except where the splits are of the smallest length,
+       * 64 keys: each sequence's own would be 64 too, and a fixed length lets the kernel's
+       * first block-table loads go out before the context length is known */
+      if (a.n_splits > 1 && a.split_len != 64) a.split_len = 0;
       a.cluster = cluster_on && a.n_splits > 1 &&
                   a.n_splits <= pd_cuda_attn_decode_tc_max_cluster(&a, c->cc_major);
       pd_cuda_attn_decode_tc(c->st, &a);
