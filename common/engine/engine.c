@@ -28,7 +28,12 @@ typedef struct eng_layer {
 /* A recorded decode step: B sequences (padded), block tables mbw wide. */
 typedef struct eng_graph {
   int B, mbw;
+  bool all_rows; /* logits of every row, in order (run_model's all_rows) */
   void *exec; /* NULL: capture failed for this shape; run it eagerly */
+  /* page-locked staging of the graph's metadata, whose upload is the graph's first node
+   * (backends with to_device_async and host_alloc; NULL: uploaded from h_meta before each
+   * replay) */
+  int32_t *hm;
 } eng_graph;
 
 #define ENG_MAX_GRAPHS 96
@@ -336,8 +341,10 @@ fail:
 
 void pd_engine_free(pd_engine *g) {
   if (!g) return;
-  for (int i = 0; i < g->n_graphs; i++)
+  for (int i = 0; i < g->n_graphs; i++) {
     if (g->graphs[i].exec) g->be->ops.graph_free(g->be, g->graphs[i].exec);
+    if (g->graphs[i].hm) g->be->ops.host_free(g->be, g->graphs[i].hm);
+  }
   free(g->h_meta);
   for (int i = 0; i < g->n_owned; i++) g->be->ops.free(g->be, g->owned[i]);
   free(g->owned);
@@ -444,7 +451,7 @@ static void qkv_separate(pd_engine *g, const eng_layer *L, const pd_layer_weight
  * before), RoPE and the cache write in the QKV matmul: a decode layer is four matmuls and the
  * attention. */
 static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int max_ctx,
-                            int n_logits) {
+                            int n_logits, bool all_rows) {
   pd_backend *be = g->be;
   const pd_model_config *c = &g->m->cfg;
   const int D = g->D, F = g->F, hd = g->hd;
@@ -454,7 +461,11 @@ static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int
   const float scale = 1.0f / sqrtf((float)hd);
   const float eps = (float)c->rms_norm_eps;
 
-  be->ops.embed(be, g->x, g->tok_emb, g->m->tok_embeddings.dtype, g->dm.tokens, M, D);
+  if (be->ops.embed_fused && c->num_layers > 0 && g->layers[0].wqkv) /* with layer 0's norm */
+    be->ops.embed_fused(be, g->x, g->tok_emb, g->m->tok_embeddings.dtype, g->dm.tokens, M, D,
+                        g->layers[0].attn_norm, g->xg);
+  else
+    be->ops.embed(be, g->x, g->tok_emb, g->m->tok_embeddings.dtype, g->dm.tokens, M, D);
   for (int l = 0; l < c->num_layers; l++) {
     const eng_layer *L = &g->layers[l];
     const pd_layer_weights *W = &g->m->layers[l];
@@ -480,13 +491,26 @@ static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int
                             .eps = eps, .xn = g->xn, .epilogue = PD_MM_GLU, .gu = g->gu,
                             .y_scratch = true, .xg = g->xg};
     be->ops.matmul_fused(be, &gu);
+    /* the last layer's down projection hands the final norm to the LM head when that reads
+     * every row */
+    const float *norm_next = l + 1 < c->num_layers ? g->layers[l + 1].attn_norm
+                             : all_rows            ? g->final_norm
+                                                   : NULL;
     const pd_mm_fused down = {
         .y = g->x, .x = g->act, .w = L->wdown, .wdt = W->w_down.dtype, .bias = L->bdown,
-        .M = M, .N = D, .K = F, .epilogue = PD_MM_ACCUMULATE,
-        .norm_next = l + 1 < c->num_layers ? g->layers[l + 1].attn_norm : NULL, .xg = g->xg};
+        .M = M, .N = D, .K = F, .epilogue = PD_MM_ACCUMULATE, .norm_next = norm_next,
+        .xg = g->xg};
     be->ops.matmul_fused(be, &down);
   }
-  if (n_logits > 0) {
+  if (all_rows) {
+    /* decode: the LM head over x itself, its norm from the down projection's hand-off (no
+     * row gather, no norm kernel) */
+    const pd_mm_fused head = {.y = g->logits, .x = g->x, .w = g->lm_head,
+                              .wdt = g->m->lm_head.dtype, .M = M, .N = g->V, .K = D,
+                              .norm_w = g->final_norm, .eps = eps, .xn = g->xn,
+                              .epilogue = PD_MM_STORE, .xg = g->xg};
+    be->ops.matmul_fused(be, &head);
+  } else if (n_logits > 0) {
     /* final norm and LM head only on the rows asked for */
     be->ops.get_rows(be, g->xn, g->x, g->dm.rows, n_logits, D);
     const pd_mm_fused head = {.y = g->logits, .x = g->xn, .w = g->lm_head,
@@ -497,12 +521,14 @@ static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int
   }
 }
 
-/* The layers, the final norm and the LM head over the metadata already on the backend. */
+/* The layers, the final norm and the LM head over the metadata already on the backend.
+ * all_rows: the logits rows are every row of the batch in order (n_logits == M, row i = i), as
+ * in decode steps. */
 static void run_model(pd_engine *g, int M, int n_seqs, int max_blocks, int max_ctx,
-                      int n_logits) {
+                      int n_logits, bool all_rows) {
   pd_backend *be = g->be;
   if (be->ops.matmul_fused) {
-    run_model_fused(g, M, n_seqs, max_blocks, max_ctx, n_logits);
+    run_model_fused(g, M, n_seqs, max_blocks, max_ctx, n_logits, all_rows);
     return;
   }
   const pd_model_config *c = &g->m->cfg;
@@ -541,8 +567,12 @@ static void run_model(pd_engine *g, int M, int n_seqs, int max_blocks, int max_c
   be->ops.add(be, g->x, g->sel, (size_t)M * D);
   if (n_logits > 0) {
     /* final norm and LM head only on the rows asked for */
-    be->ops.get_rows(be, g->xn, g->x, g->dm.rows, n_logits, D);
-    be->ops.rmsnorm(be, g->xn, g->xn, g->final_norm, eps, n_logits, D);
+    if (all_rows) {
+      be->ops.rmsnorm(be, g->xn, g->x, g->final_norm, eps, n_logits, D);
+    } else {
+      be->ops.get_rows(be, g->xn, g->x, g->dm.rows, n_logits, D);
+      be->ops.rmsnorm(be, g->xn, g->xn, g->final_norm, eps, n_logits, D);
+    }
     be->ops.matmul(be, g->logits, g->xn, g->lm_head, g->m->lm_head.dtype, NULL, n_logits, g->V,
                    D);
   }
@@ -560,6 +590,14 @@ static void upload_batch(pd_engine *g, const pd_batch *b) {
   be->ops.to_device(be, g->dm.bt, b->block_tables, S * (size_t)b->max_blocks * i32);
   if (b->n_logits > 0)
     be->ops.to_device(be, g->dm.rows, b->logit_rows, (size_t)b->n_logits * i32);
+}
+
+/* Whether the batch asks for the logits of every row, in order (decode steps). */
+static bool rows_all(const pd_batch *b) {
+  if (b->n_logits != b->n_tokens) return false;
+  for (int i = 0; i < b->n_logits; i++)
+    if (b->logit_rows[i] != i) return false;
+  return true;
 }
 
 /* Padded batch sizes that decode steps are recorded for. */
@@ -596,26 +634,35 @@ static bool forward_graph(pd_engine *g, const pd_batch *b) {
   int mbw = 8;
   while (mbw < b->max_blocks) mbw *= 2;
   if (mbw > g->max_blocks) mbw = g->max_blocks;
+  const bool all_rows = rows_all(b);
   eng_graph *gr = NULL;
   for (int i = 0; i < g->n_graphs; i++)
-    if (g->graphs[i].B == B && g->graphs[i].mbw == mbw) gr = &g->graphs[i];
+    if (g->graphs[i].B == B && g->graphs[i].mbw == mbw && g->graphs[i].all_rows == all_rows)
+      gr = &g->graphs[i];
   if (gr && !gr->exec) return false; /* capture failed before: eager */
   if (!gr && g->n_graphs == ENG_MAX_GRAPHS) return false;
 
-  size_t need = (size_t)6 * B + 1 + (size_t)B * mbw;
-  if (need > g->h_meta_n) {
+  pd_backend *be = g->be;
+  const size_t need = (size_t)6 * B + 1 + (size_t)B * mbw;
+  /* the staging: the graph's own page-locked buffer (a new shape gets one where the backend
+   * can upload from it inside the graph), else the pageable h_meta */
+  int32_t *hm = gr ? gr->hm : NULL;
+  if (!gr && be->ops.to_device_async && be->ops.host_alloc && be->ops.host_free)
+    hm = be->ops.host_alloc(be, need * sizeof(int32_t));
+  if (!hm && need > g->h_meta_n) {
     int32_t *p = realloc(g->h_meta, need * sizeof *p);
     if (!p) return false;
     g->h_meta = p;
     g->h_meta_n = need;
   }
-  const eng_meta h = packed_meta(g->h_meta, B);
+  int32_t *hbuf = hm ? hm : g->h_meta;
+  const eng_meta h = packed_meta(hbuf, B);
   for (int i = 0; i < B; i++) {
     const bool real = i < n;
     h.tokens[i] = real ? b->tokens[i] : 0;
     h.pos[i] = real ? b->positions[i] : 0;
     h.slots[i] = real ? b->slots[i] : -1;
-    h.rows[i] = i < b->n_logits ? b->logit_rows[i] : 0;
+    h.rows[i] = all_rows ? i : i < b->n_logits ? b->logit_rows[i] : 0;
     h.qstart[i] = i;
     h.ctx[i] = real ? b->ctx_len[i] : 1;
     int32_t *r = h.bt + (size_t)i * mbw;
@@ -627,29 +674,36 @@ static bool forward_graph(pd_engine *g, const pd_batch *b) {
     }
   }
   h.qstart[B] = B;
-  pd_backend *be = g->be;
   /* one upload (H200, Llama-3-8B batch 1: 4.195 -> 4.186 ms a step against one per array):
-   * from the host's first copy to the graph's first kernel the GPU waits */
+   * from the host's first copy to the graph's first kernel the GPU waits; from page-locked
+   * staging it is the graph's first node, not a call of its own before the launch */
+  const size_t bytes = need * sizeof(int32_t);
   g->dm = packed_meta(g->d_gmeta, B);
-  be->ops.to_device(be, g->d_gmeta, g->h_meta, need * sizeof(int32_t));
+  if (!hm) be->ops.to_device(be, g->d_gmeta, g->h_meta, bytes);
   const int max_ctx = mbw * g->o.block_size;
   if (gr) {
     if (be->ops.graph_launch(be, gr->exec)) {
       g->replays++;
     } else {
-      run_model(g, B, B, mbw, max_ctx, B); /* the launch failed: the error is recorded */
+      /* the launch failed: the error is recorded */
+      if (hm) be->ops.to_device_async(be, g->d_gmeta, hm, bytes);
+      run_model(g, B, B, mbw, max_ctx, B, all_rows);
     }
   } else {
     /* First time for this shape: run it for real (this also sizes every scratch buffer), then
      * record it for the next steps. */
-    run_model(g, B, B, mbw, max_ctx, B);
+    if (hm) be->ops.to_device_async(be, g->d_gmeta, hm, bytes);
+    run_model(g, B, B, mbw, max_ctx, B, all_rows);
     gr = &g->graphs[g->n_graphs++];
     gr->B = B;
     gr->mbw = mbw;
+    gr->all_rows = all_rows;
     gr->exec = NULL;
+    gr->hm = hm;
     be->ops.sync(be);
     if (be->ops.capture_begin(be)) {
-      run_model(g, B, B, mbw, max_ctx, B);
+      if (hm) be->ops.to_device_async(be, g->d_gmeta, hm, bytes);
+      run_model(g, B, B, mbw, max_ctx, B, all_rows);
       gr->exec = be->ops.capture_end(be);
     }
   }
@@ -669,7 +723,7 @@ pd_status pd_engine_submit(pd_engine *g, const pd_batch *b, pd_err *e) {
     int max_ctx = 0;
     for (int s = 0; s < b->n_seqs; s++)
       if (b->ctx_len[s] > max_ctx) max_ctx = b->ctx_len[s];
-    run_model(g, b->n_tokens, b->n_seqs, b->max_blocks, max_ctx, b->n_logits);
+    run_model(g, b->n_tokens, b->n_seqs, b->max_blocks, max_ctx, b->n_logits, rows_all(b));
   }
   g->forward_s += now_s() - t0;
   return PD_OK;

@@ -147,6 +147,15 @@ void cu_to_device(pd_backend *be, void *dst, const void *src, size_t bytes) {
   }
 }
 
+/* A page-locked source the caller keeps until the next sync: no sync here (and so capturable:
+ * a graph's metadata upload is a node of the graph). */
+void cu_to_device_async(pd_backend *be, void *dst, const void *src, size_t bytes) {
+  if (!bytes) return;
+  cuda_impl *c = impl_of(be);
+  use_device(c);
+  CK(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->st));
+}
+
 /* Device to host through two pinned chunks: chunk i+1 is in flight while chunk i is copied out,
  * so large copies (logits) run near PCIe speed without pinning the caller's memory. Complete on
  * return. */
@@ -307,8 +316,45 @@ void cu_embed(pd_backend *be, float *y, const void *table, pd_dtype dt, const in
   PD_ASSERT(float_dtype(dt));
   if (M == 0 || D == 0) return;
   use_device(c);
-  pd_cuda_embed(c->st, y, table, dt, ids, M, D);
+  pd_cuda_embed(c->st, y, table, dt, ids, M, D, NULL, NULL, NULL);
   CK_LAUNCH(c, "embed");
+}
+
+/* PD_CUDA_FUSE_NORM=0: no hand-off, every norm a kernel of its own (a measurement switch) */
+static bool fuse_norm_on(void) {
+  static int v = -1;
+  if (v < 0) {
+    const char *ev = getenv("PD_CUDA_FUSE_NORM");
+    v = !(ev && !strcmp(ev, "0"));
+  }
+  return v != 0;
+}
+
+/* The embedding with the RMSNorm hand-off out (one part a row) for a decode GEMV that reads it,
+ * as matmul_fused's GEMVs leave it: the first layer's norm then costs no kernel. */
+void cu_embed_fused(pd_backend *be, float *y, const void *table, pd_dtype dt, const int32_t *ids,
+                    int M, int D, const float *norm_next, float *xg) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && D >= 0);
+  PD_ASSERT(float_dtype(dt));
+  c->ho_valid = false;
+  if (M == 0 || D == 0) return;
+  use_device(c);
+  const bool ho_out = fuse_norm_on() && norm_next && xg && M <= 2;
+  const int buf = c->ho_buf ^ 1;
+  pd_cuda_embed(c->st, y, table, dt, ids, M, D, ho_out ? norm_next : NULL, ho_out ? xg : NULL,
+                ho_out ? c->ho_ss[buf] : NULL);
+  CK_LAUNCH(c, "embed");
+  if (ho_out) {
+    c->ho_valid = true;
+    c->ho_buf = buf;
+    c->ho_y = y;
+    c->ho_xg = xg;
+    c->ho_g = norm_next;
+    c->ho_M = M;
+    c->ho_N = D;
+    c->ho_parts = 1;
+  }
 }
 
 void cu_rope(pd_backend *be, float *q, float *k, const int32_t *pos, const float *inv_freq, int M,
@@ -410,12 +456,7 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
     CK_LAUNCH(c, "widen (16-bit hand-off)");
     h16_in = false;
   }
-  /* PD_CUDA_FUSE_NORM=0: no hand-off, every norm a kernel of its own (a measurement switch) */
-  static int fuse_norm = -1;
-  if (fuse_norm < 0) {
-    const char *ev = getenv("PD_CUDA_FUSE_NORM");
-    fuse_norm = !(ev && !strcmp(ev, "0"));
-  }
+  const bool fuse_norm = fuse_norm_on();
   const bool small = K > 0 && M <= gemv_max_m() &&
                      pd_cuda_gemv_fused_ok(p->x, p->w, p->wdt, M, K);
   if (small) {
@@ -806,11 +847,13 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   be->ops.to_host = cu_to_host;
   be->ops.sync = cu_sync;
   be->ops.copy = cu_copy;
+  be->ops.to_device_async = cu_to_device_async;
   be->ops.mem_info = cu_mem_info;
   be->ops.matmul = cu_matmul;
   be->ops.rmsnorm = cu_rmsnorm;
   be->ops.add_rmsnorm = cu_add_rmsnorm;
   be->ops.embed = cu_embed;
+  be->ops.embed_fused = cu_embed_fused;
   be->ops.rope = cu_rope;
   be->ops.swiglu = cu_swiglu;
   be->ops.kv_write = cu_kv_write;

@@ -106,13 +106,20 @@ rmsnorm_kernel(float *__restrict__ y, float *x, const float *__restrict__ r,
  * decode step's first kernel take 7.2 us (CUPTI trace on the H200). */
 constexpr int kEmbedVecs = 4;
 
-template <typename T>
+/* NEXT: also the RMSNorm hand-off of the decode GEMVs (pd_cuda_gemv_pre) for the first layer's
+ * QKV: xg = y * g and the row's sum of y^2 in ss[row] (one part a row). */
+template <typename T, bool NEXT>
 __global__ void embed_kernel(float *__restrict__ y, const T *__restrict__ table,
-                             const int32_t *__restrict__ ids, int D) {
+                             const int32_t *__restrict__ ids, int D, const float *__restrict__ g,
+                             float *__restrict__ xg, float *__restrict__ ss) {
   const T *src = table + (size_t)ids[blockIdx.x] * D;
   float *dst = y + (size_t)blockIdx.x * D;
+  float *xgr = NEXT ? xg + (size_t)blockIdx.x * D : nullptr;
+  float sq = 0.0f;
   constexpr int E = 16 / sizeof(T); /* elements per chunk */
-  if (D % E == 0 && (((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
+  if (D % E == 0 &&
+      (((uintptr_t)src | (uintptr_t)dst | (uintptr_t)xgr | (uintptr_t)(NEXT ? g : nullptr)) &
+       15) == 0) {
     const int nch = D / E;
     for (int c0 = threadIdx.x; c0 < nch; c0 += blockDim.x * kEmbedVecs) {
       uint4 raw[kEmbedVecs];
@@ -128,14 +135,34 @@ __global__ void embed_kernel(float *__restrict__ y, const T *__restrict__ table,
         const T *t = reinterpret_cast<const T *>(&raw[v]);
         float4 *o = reinterpret_cast<float4 *>(dst + (size_t)c * E);
 #pragma unroll
-        for (int j = 0; j < E / 4; j++)
-          o[j] = make_float4(pd_to_f32(t[4 * j]), pd_to_f32(t[4 * j + 1]),
-                             pd_to_f32(t[4 * j + 2]), pd_to_f32(t[4 * j + 3]));
+        for (int j = 0; j < E / 4; j++) {
+          const float4 v = make_float4(pd_to_f32(t[4 * j]), pd_to_f32(t[4 * j + 1]),
+                                       pd_to_f32(t[4 * j + 2]), pd_to_f32(t[4 * j + 3]));
+          o[j] = v;
+          if (NEXT) {
+            const int e0 = c * E + 4 * j;
+            const float4 gw = __ldg(reinterpret_cast<const float4 *>(g + e0));
+            reinterpret_cast<float4 *>(xgr + e0)[0] =
+                make_float4(v.x * gw.x, v.y * gw.y, v.z * gw.z, v.w * gw.w);
+            sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+          }
+        }
       }
     }
-    return;
+  } else {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const float v = pd_to_f32(src[i]);
+      dst[i] = v;
+      if (NEXT) {
+        xgr[i] = v * g[i];
+        sq += v * v;
+      }
+    }
   }
-  for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = pd_to_f32(src[i]);
+  if (NEXT) {
+    sq = block_sum(sq);
+    if (threadIdx.x == 0) ss[blockIdx.x] = sq;
+  }
 }
 
 /* One block per token: each thread owns frequency indices i (stride blockDim), computes the
@@ -398,14 +425,23 @@ void pd_cuda_rmsnorm(cudaStream_t st, float *y, float *x, const float *r, const 
 }
 
 void pd_cuda_embed(cudaStream_t st, float *y, const void *table, pd_dtype dt, const int32_t *ids,
-                   int M, int D) {
-  int t = row_threads(D);
+                   int M, int D, const float *next_g, float *next_xg, float *next_ss) {
+  const int t = row_threads(D);
+#define PD_EMBED(T)                                                                             \
+  do {                                                                                         \
+    if (next_xg)                                                                               \
+      embed_kernel<T, true><<<M, t, 0, st>>>(y, (const T *)table, ids, D, next_g, next_xg,     \
+                                             next_ss);                                         \
+    else                                                                                       \
+      embed_kernel<T, false><<<M, t, 0, st>>>(y, (const T *)table, ids, D, NULL, NULL, NULL);  \
+  } while (0)
   if (dt == PD_DTYPE_BF16)
-    embed_kernel<<<M, t, 0, st>>>(y, (const __nv_bfloat16 *)table, ids, D);
+    PD_EMBED(__nv_bfloat16);
   else if (dt == PD_DTYPE_F16)
-    embed_kernel<<<M, t, 0, st>>>(y, (const __half *)table, ids, D);
+    PD_EMBED(__half);
   else
-    embed_kernel<<<M, t, 0, st>>>(y, (const float *)table, ids, D);
+    PD_EMBED(float);
+#undef PD_EMBED
 }
 
 void pd_cuda_rope(cudaStream_t st, float *q, float *k, const int32_t *pos, const float *inv_freq,

@@ -114,8 +114,10 @@ cudaError_t pd_cuda_smem_optin(const void *kernel, size_t bytes);
 /* Elementwise family: shapes as in backend.h. dt / kv dtype are F32, F16 or BF16. */
 void pd_cuda_rmsnorm(cudaStream_t st, float *y, float *x, const float *r, const float *w,
                      float eps, int M, int D);
+/* next_xg != NULL: also the RMSNorm hand-off for the next GEMV (pd_cuda_gemv_pre with one part a
+ * row): next_xg [M, D] = y * next_g, next_ss [M] the rows' sums of y^2. */
 void pd_cuda_embed(cudaStream_t st, float *y, const void *table, pd_dtype dt, const int32_t *ids,
-                   int M, int D);
+                   int M, int D, const float *next_g, float *next_xg, float *next_ss);
 void pd_cuda_rope(cudaStream_t st, float *q, float *k, const int32_t *pos, const float *inv_freq,
                   int M, int nqh, int nkvh, int hd);
 void pd_cuda_swiglu(cudaStream_t st, float *y, const float *gu, int M, int F);

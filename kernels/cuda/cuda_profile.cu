@@ -116,6 +116,12 @@ void p_embed(pd_backend *be, float *y, const void *t, pd_dtype dt, const int32_t
   g_prof->orig.embed(be, y, t, dt, ids, M, D);
   end(be, i, "embed M=%d", M);
 }
+void p_embed_fused(pd_backend *be, float *y, const void *t, pd_dtype dt, const int32_t *ids,
+                   int M, int D, const float *g, float *xg) {
+  int i = begin(be);
+  g_prof->orig.embed_fused(be, y, t, dt, ids, M, D, g, xg);
+  end(be, i, "embed (hand-off) M=%d", M);
+}
 void p_rope(pd_backend *be, float *q, float *k, const int32_t *pos, const float *inv, int M,
             int nq, int nkv, int hd) {
   int i = begin(be);
@@ -249,5 +255,6 @@ void pd_cuda_profile_wrap(pd_backend *be) {
   if (be->ops.rope_kv_write) be->ops.rope_kv_write = p_rope_kv_write;
   if (be->ops.sample) be->ops.sample = p_sample;
   if (be->ops.matmul_fused) be->ops.matmul_fused = p_matmul_fused;
+  if (be->ops.embed_fused) be->ops.embed_fused = p_embed_fused;
   if (be->ops.graph_launch) be->ops.graph_launch = p_graph_launch;
 }

@@ -982,6 +982,68 @@ static void test_mm_handoff(void) {
       }
 }
 
+/* embed_fused: the embedding with the RMSNorm hand-off, then a GEMV with norm_w reading it (as
+ * the first layer's QKV does), against embed, rmsnorm and matmul: the embedded rows bit for bit,
+ * the product within the hand-off's rounding; M = 3 makes no hand-off, D = 1004 takes the
+ * embedding's scalar path for 16-bit tables (whose consumer then runs a norm kernel). */
+static void test_embed_handoff(void) {
+  REQUIRE(g_gpu->ops.embed_fused);
+  static const int Ms[3] = {1, 2, 3}, Ds[2] = {4096, 1004};
+  const int V = 500, N = 1536;
+  for (int mi = 0; mi < 3; mi++)
+    for (int di = 0; di < 2; di++)
+      for (int d = 0; d < 3; d++) {
+        const int M = Ms[mi], D = Ds[di];
+        const pd_dtype dt = k_dts[d];
+        int32_t ids[3] = {irand(V), V - 1, 0};
+        void *tab = rand_dt(dt, (size_t)V * D, -2, 2);
+        void *w = rand_dt(dt, (size_t)N * D, -0.05f, 0.05f);
+        float *g = rand_f32((size_t)D, 0.5f, 1.5f);
+        void *dtab = up(tab, (size_t)V * D * pd_dtype_size(dt));
+        void *dw = up(w, (size_t)N * D * pd_dtype_size(dt));
+        float *dg = up(g, (size_t)D * 4);
+        int32_t *did = up(ids, sizeof ids);
+        float *dx1 = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
+        float *dx2 = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
+        float *dxn = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
+        float *dxg = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
+        float *dy1 = g_gpu->ops.alloc(g_gpu, (size_t)M * N * 4);
+        float *dy2 = g_gpu->ops.alloc(g_gpu, (size_t)M * N * 4);
+        g_gpu->ops.embed(g_gpu, dx1, dtab, dt, did, M, D);
+        g_gpu->ops.rmsnorm(g_gpu, dxn, dx1, dg, 1e-5f, M, D);
+        g_gpu->ops.matmul(g_gpu, dy1, dxn, dw, dt, NULL, M, N, D);
+        g_gpu->ops.embed_fused(g_gpu, dx2, dtab, dt, did, M, D, dg, dxg);
+        const pd_mm_fused p = {.y = dy2, .x = dx2, .w = dw, .wdt = dt, .M = M, .N = N, .K = D,
+                               .norm_w = dg, .eps = 1e-5f, .xn = dxn, .epilogue = PD_MM_STORE,
+                               .xg = dxg};
+        g_gpu->ops.matmul_fused(g_gpu, &p);
+        float *x1 = down(dx1, (size_t)M * D * 4), *x2 = down(dx2, (size_t)M * D * 4);
+        float *y1 = down(dy1, (size_t)M * N * 4), *y2 = down(dy2, (size_t)M * N * 4);
+        CHECKF(memcmp(x1, x2, (size_t)M * D * 4) == 0, "embed_fused M=%d D=%d %s: rows differ",
+               M, D, dtn(dt));
+        const double ey = rel_err(y2, y1, (size_t)M * N);
+        CHECKF(ey < (M <= 2 ? 2e-4 : 1e-2), "embed_fused M=%d D=%d %s: product %.3g", M, D,
+               dtn(dt), ey);
+        free(tab);
+        free(w);
+        free(g);
+        free(x1);
+        free(x2);
+        free(y1);
+        free(y2);
+        gfree(dtab);
+        gfree(dw);
+        gfree(dg);
+        gfree(did);
+        gfree(dx1);
+        gfree(dx2);
+        gfree(dxn);
+        gfree(dxg);
+        gfree(dy1);
+        gfree(dy2);
+      }
+}
+
 /* The 16-bit hand-off of a GLU product (pd_mm_fused.y_scratch): a GLU matmul then a residual
  * matmul reading its y, against the same pair without the hint; the consumer with the GLU's
  * 16-bit weights (the operand taken as it is), with f32 weights (y written from it first, then
@@ -1087,6 +1149,7 @@ int main(int argc, char **argv) {
   test_fused();
   test_mm_fused();
   test_mm_handoff();
+  test_embed_handoff();
   test_mm_glu_handoff();
 
   g_gpu->ops.sync(g_gpu);

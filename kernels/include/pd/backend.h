@@ -175,6 +175,11 @@ typedef struct pd_backend_ops {
   void (*sync)(pd_backend *be);
   /* Optional (may be NULL): free and total bytes of the backend's memory (device backends). */
   void (*mem_info)(pd_backend *be, size_t *free_bytes, size_t *total_bytes);
+  /* Optional (may be NULL): host_src (page-locked memory from host_alloc) to dst, queued after
+   * the ops before it and returning at once: host_src must stay unchanged until the backend has
+   * been synchronised. While capturing it is recorded, and each replay copies what host_src
+   * holds when the replay runs. */
+  void (*to_device_async)(pd_backend *be, void *dst, const void *host_src, size_t bytes);
   /* Optional (may be NULL): copy between two backend buffers. */
   void (*copy)(pd_backend *be, void *dst, const void *src, size_t bytes);
 
@@ -192,9 +197,13 @@ typedef struct pd_backend_ops {
   void (*add_rmsnorm)(pd_backend *be, float *y, float *x, const float *r, const float *w,
                       float eps, int M, int D);
 
-  /* y[M,D] = table[ids[i], :] (table [V,D] in dt), converted to f32. */
+  /* y[M,D] = table[ids[i], :] (table [V,D] in dt), converted to f32. embed_fused (optional, may
+   * be NULL) is embed with the RMSNorm hand-off of pd_mm_fused: a hint, as a matmul_fused with
+   * y, norm_next and xg would leave it, for the next matmul_fused. */
   void (*embed)(pd_backend *be, float *y, const void *table, pd_dtype dt, const int32_t *ids,
                 int M, int D);
+  void (*embed_fused)(pd_backend *be, float *y, const void *table, pd_dtype dt,
+                      const int32_t *ids, int M, int D, const float *norm_next, float *xg);
 
   /* Rotary embedding in place, the rotate-half (GPT-NeoX / HF Llama) layout: for each head,
    * pairs (i, i + head_dim/2), angle = pos * inv_freq[i], i < head_dim/2.
