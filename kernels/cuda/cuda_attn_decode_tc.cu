@@ -45,7 +45,9 @@ template <int HD> struct tc_geom {
   static constexpr size_t SMEM = SMEM_A > SMEM_CL ? SMEM_A : SMEM_CL;
 };
 
-template <int HD, typename KT, bool CL>
+/* P2: the page size is a power of two (shifts and masks; otherwise divisions: instantiated apart,
+ * so that the usual kernel carries no division code) */
+template <int HD, typename KT, bool CL, bool P2>
 __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_attn a) {
   using G_ = tc_geom<HD>;
   constexpr int LD = G_::LD, CPR = G_::CPR, KS = HD / 16, DT = HD / 8;
@@ -81,8 +83,8 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
    * issuing a tile's copies waits for no load, and power-of-two page sizes take shifts. */
   constexpr int NJ = BN * CPR / kThreads;
   static_assert(BN * CPR % kThreads == 0, "a tile's chunks split evenly over the threads");
-  const int bs_sh = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
-  auto page_of = [&](int kp) { return bs_sh >= 0 ? kp >> bs_sh : kp / bs; };
+  const int bs_sh = P2 ? __ffs(bs) - 1 : 0;
+  auto page_of = [&](int kp) { return P2 ? kp >> bs_sh : kp / bs; };
   /* the table entry of key kp (clamped into the sequence's row: loaded before kp is known to
    * be inside the context, masked after) */
   auto table_at = [&](int kp) {
@@ -134,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     for (int j = 0; j < NJ; j++) {
       const int i = tid + j * kThreads, r = i / CPR, c = i - r * CPR, kp = k0 + r;
       const bool ok = pid[j] >= 0;
-      const int in_page = bs_sh >= 0 ? kp & (bs - 1) : kp - page_of(kp) * bs;
+      const int in_page = P2 ? kp & (bs - 1) : kp - page_of(kp) * bs;
       const size_t off = ok ? (((size_t)pid[j] * nkv + g) * bs + in_page) * HD + (size_t)c * 8 : 0;
       pd_cp_async16(&sk[r * LD + c * 8], kc + off, ok ? 16 : 0);
       pd_cp_async16(&sv[r * LD + c * 8], vc + off, ok ? 16 : 0);
@@ -361,10 +363,10 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
 
 /* The launch of the CL kernel over `grid`, the splits (grid z) of a (sequence, KV head) one
  * cluster; *at is the cluster attribute cfg points to. Also sets the shared-memory opt-in. */
-template <int HD, typename KT>
+template <int HD, typename KT, bool P2>
 cudaLaunchConfig_t cluster_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute *at) {
   const size_t smem = tc_geom<HD>::SMEM;
-  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, true>, smem);
+  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, true, P2>, smem);
   at->id = cudaLaunchAttributeClusterDimension;
   at->val.clusterDim.x = 1;
   at->val.clusterDim.y = 1;
@@ -379,29 +381,37 @@ cudaLaunchConfig_t cluster_config(dim3 grid, cudaStream_t st, cudaLaunchAttribut
   return cfg;
 }
 
-template <int HD, typename KT> void launch_hd(cudaStream_t st, const pd_cuda_attn *a) {
+template <int HD, typename KT, bool P2> void launch_p2(cudaStream_t st, const pd_cuda_attn *a) {
   const size_t smem = tc_geom<HD>::SMEM;
   dim3 grid((unsigned)a->n_seqs, (unsigned)a->n_kv_heads, (unsigned)a->n_splits);
   if (a->cluster) {
     cudaLaunchAttribute at;
-    const cudaLaunchConfig_t cfg = cluster_config<HD, KT>(grid, st, &at);
-    cudaLaunchKernelEx(&cfg, attn_decode_tc_kernel<HD, KT, true>, *a);
+    const cudaLaunchConfig_t cfg = cluster_config<HD, KT, P2>(grid, st, &at);
+    cudaLaunchKernelEx(&cfg, attn_decode_tc_kernel<HD, KT, true, P2>, *a);
     return;
   }
-  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, false>, smem);
-  attn_decode_tc_kernel<HD, KT, false><<<grid, kThreads, smem, st>>>(*a);
+  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, false, P2>, smem);
+  attn_decode_tc_kernel<HD, KT, false, P2><<<grid, kThreads, smem, st>>>(*a);
+}
+
+template <int HD, typename KT> void launch_hd(cudaStream_t st, const pd_cuda_attn *a) {
+  if ((a->block_size & (a->block_size - 1)) == 0)
+    launch_p2<HD, KT, true>(st, a);
+  else
+    launch_p2<HD, KT, false>(st, a);
 }
 
 /* Whether a cluster of kMaxCluster blocks of the CL kernel fits on this device (checked once
- * per kernel: the answer depends on its shared memory only). */
+ * per kernel: the answer depends on its shared memory only, the same for both P2 variants). */
 template <int HD, typename KT> bool cluster_fits() {
   static int fits = -1;
   if (fits < 0) {
     cudaLaunchAttribute at;
-    const cudaLaunchConfig_t cfg = cluster_config<HD, KT>(dim3(1, 1, kMaxCluster), 0, &at);
+    const cudaLaunchConfig_t cfg =
+        cluster_config<HD, KT, true>(dim3(1, 1, kMaxCluster), 0, &at);
     int n = 0;
     const cudaError_t r = cudaOccupancyMaxActiveClusters(
-        &n, (const void *)attn_decode_tc_kernel<HD, KT, true>, &cfg);
+        &n, (const void *)attn_decode_tc_kernel<HD, KT, true, true>, &cfg);
     if (r != cudaSuccess) cudaGetLastError();
     fits = r == cudaSuccess && n > 0;
   }
