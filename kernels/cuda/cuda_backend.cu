@@ -330,6 +330,20 @@ static bool fuse_norm_on(void) {
   return v != 0;
 }
 
+/* Records the RMSNorm hand-off just queued: y [M, N] with xg = y * g and `parts` partial sums a
+ * row in ho_ss[buf], for the next matmul_fused that reads y with norm_w g. */
+static void ho_record(cuda_impl *c, int buf, const float *y, const float *xg, const float *g,
+                      int M, int N, int parts) {
+  c->ho_valid = true;
+  c->ho_buf = buf;
+  c->ho_y = y;
+  c->ho_xg = xg;
+  c->ho_g = g;
+  c->ho_M = M;
+  c->ho_N = N;
+  c->ho_parts = parts;
+}
+
 /* The embedding with the RMSNorm hand-off out (one part a row) for a decode GEMV that reads it,
  * as matmul_fused's GEMVs leave it: the first layer's norm then costs no kernel. */
 void cu_embed_fused(pd_backend *be, float *y, const void *table, pd_dtype dt, const int32_t *ids,
@@ -345,16 +359,7 @@ void cu_embed_fused(pd_backend *be, float *y, const void *table, pd_dtype dt, co
   pd_cuda_embed(c->st, y, table, dt, ids, M, D, ho_out ? norm_next : NULL, ho_out ? xg : NULL,
                 ho_out ? c->ho_ss[buf] : NULL);
   CK_LAUNCH(c, "embed");
-  if (ho_out) {
-    c->ho_valid = true;
-    c->ho_buf = buf;
-    c->ho_y = y;
-    c->ho_xg = xg;
-    c->ho_g = norm_next;
-    c->ho_M = M;
-    c->ho_N = D;
-    c->ho_parts = 1;
-  }
+  if (ho_out) ho_record(c, buf, y, xg, norm_next, M, D, 1);
 }
 
 void cu_rope(pd_backend *be, float *q, float *k, const int32_t *pos, const float *inv_freq, int M,
@@ -491,16 +496,7 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
       pd_cuda_gemv_fused(c->st, p->y, xs, p->w, p->wdt, p->bias, M, N, K,
                          p->epilogue == PD_MM_ACCUMULATE, prep, ho_out ? p->norm_next : NULL,
                          ho_out ? p->xg : NULL, ho_out ? c->ho_ss[buf] : NULL);
-      if (ho_out) {
-        c->ho_valid = true;
-        c->ho_buf = buf;
-        c->ho_y = p->y;
-        c->ho_xg = p->xg;
-        c->ho_g = p->norm_next;
-        c->ho_M = M;
-        c->ho_N = N;
-        c->ho_parts = parts;
-      }
+      if (ho_out) ho_record(c, buf, p->y, p->xg, p->norm_next, M, N, parts);
     }
     }
     CK_LAUNCH(c, "gemv (fused)");
