@@ -37,6 +37,7 @@ typedef struct eng_graph {
 } eng_graph;
 
 #define ENG_MAX_GRAPHS 96
+#define ENG_GRAPH_PINNED (256 * 1024) /* largest page-locked metadata staging of a graph */
 
 /* Where a run's metadata lies on the backend. */
 typedef struct eng_meta {
@@ -645,9 +646,12 @@ static bool forward_graph(pd_engine *g, const pd_batch *b) {
   pd_backend *be = g->be;
   const size_t need = (size_t)6 * B + 1 + (size_t)B * mbw;
   /* the staging: the graph's own page-locked buffer (a new shape gets one where the backend
-   * can upload from it inside the graph), else the pageable h_meta */
+   * can upload from it inside the graph and the metadata is small: at most ENG_GRAPH_PINNED
+   * bytes, so that up to ENG_MAX_GRAPHS graphs pin little memory; larger batches' steps are
+   * long enough for a copy of their own), else the pageable h_meta */
   int32_t *hm = gr ? gr->hm : NULL;
-  if (!gr && be->ops.to_device_async && be->ops.host_alloc && be->ops.host_free)
+  if (!gr && be->ops.to_device_async && be->ops.host_alloc && be->ops.host_free &&
+      need * sizeof(int32_t) <= ENG_GRAPH_PINNED)
     hm = be->ops.host_alloc(be, need * sizeof(int32_t));
   if (!hm && need > g->h_meta_n) {
     int32_t *p = realloc(g->h_meta, need * sizeof *p);
