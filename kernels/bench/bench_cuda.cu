@@ -15,7 +15,15 @@
  *             with top_p 0.9, top_p 0.9 alone, and with 5 logprobs): the whole op as the engine
  *             sees it (staging copies, kernel, results back); bandwidth counts one read of the
  *             logits
- * Usage: pd-bench-cuda [device]. Timings: CUDA events over repeated calls after warm-up. */
+ * Usage: pd-bench-cuda [device]. Timings: CUDA events over repeated calls after warm-up.
+ *
+ *   pd-bench-cuda [device] --power SECONDS [WHAT]
+ * Energy instead: the decode step's kinds of work at 256 sequences of 1k context (the M = 256
+ * GEMMs, the decode attention, a plain copy, the batch-1 GEMV, the idle GPU) each repeated for
+ * SECONDS, with the board's energy counter and SM clock read through NVML (libnvidia-ml, loaded
+ * at run time): time per call, mean power, energy per call and the SM clock the power limit left
+ * it (WHAT: only the rows whose first column starts so, e.g. "decode"). What a step costs in
+ * joules is what bounds it when the board runs at its power cap. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -25,8 +33,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <dlfcn.h>
+#include <time.h>
+#include <unistd.h>
+
 #include <vector>
 
+#include "../cuda/cuda_mma.h"
 #include "bench_check.h"
 #include "pd/backend_cuda.h"
 
@@ -97,6 +110,88 @@ template <class F> static double time_ms(int iters, F f) {
   return ms / iters;
 }
 
+/* ---- energy (--power): NVML through dlopen, so that the program runs where it is missing */
+typedef struct nvml_dev *nvml_dev_t;
+static struct {
+  nvml_dev_t dev;
+  int (*energy)(nvml_dev_t, unsigned long long *); /* mJ since the driver loaded */
+  int (*clock)(nvml_dev_t, int, unsigned *);      /* type 1: SM, MHz */
+} g_nvml;
+static double g_power_s = 0;        /* --power SECONDS */
+static const char *g_power_only = ""; /* --power SECONDS WHAT: the rows whose "what" starts so */
+
+static bool nvml_open(int cuda_dev) {
+  void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+  if (!h) return false;
+  auto init = (int (*)(void))dlsym(h, "nvmlInit_v2");
+  auto by_bus = (int (*)(const char *, nvml_dev_t *))dlsym(h, "nvmlDeviceGetHandleByPciBusId_v2");
+  g_nvml.energy = (int (*)(nvml_dev_t, unsigned long long *))dlsym(
+      h, "nvmlDeviceGetTotalEnergyConsumption");
+  g_nvml.clock = (int (*)(nvml_dev_t, int, unsigned *))dlsym(h, "nvmlDeviceGetClockInfo");
+  char bus[32];
+  if (!init || !by_bus || !g_nvml.energy || !g_nvml.clock || init() != 0 ||
+      cudaDeviceGetPCIBusId(bus, sizeof bus, cuda_dev) != cudaSuccess ||
+      by_bus(bus, &g_nvml.dev) != 0)
+    return false;
+  unsigned long long e;
+  return g_nvml.energy(g_nvml.dev, &e) == 0;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Runs f back to back for g_power_s seconds (in ~20 ms batches, the SM clock read after each)
+ * and prints time per call, mean power, energy per call and the clock. f == NULL: the idle GPU.
+ * Returns milliseconds per call. */
+template <class F> static double power_run(const char *what, const char *shape, F *f) {
+  if (strncmp(what, g_power_only, strlen(g_power_only))) return 0;
+  double per = 0.02; /* seconds a batch */
+  int k = 1;
+  if (f) {
+    for (int i = 0; i < 3; i++) (*f)(i);
+    CK(cudaStreamSynchronize(st));
+    const double t = now_s();
+    (*f)(0);
+    CK(cudaStreamSynchronize(st));
+    const double one = now_s() - t;
+    k = one > 0 && one < per ? (int)(per / one) : 1;
+  }
+  unsigned long long e0 = 0, e1 = 0;
+  g_nvml.energy(g_nvml.dev, &e0);
+  const double t0 = now_s();
+  long calls = 0;
+  double mhz_sum = 0;
+  unsigned mhz_min = ~0u;
+  int samples = 0;
+  while (now_s() - t0 < g_power_s) {
+    if (f) {
+      for (int i = 0; i < k; i++) (*f)((int)(calls + i));
+      CK(cudaStreamSynchronize(st));
+      calls += k;
+    } else {
+      usleep((useconds_t)(per * 1e6));
+    }
+    unsigned mhz = 0;
+    if (g_nvml.clock(g_nvml.dev, 1, &mhz) == 0) {
+      mhz_sum += mhz;
+      mhz_min = mhz < mhz_min ? mhz : mhz_min;
+      samples++;
+    }
+  }
+  const double t1 = now_s();
+  g_nvml.energy(g_nvml.dev, &e1);
+  const double s = t1 - t0, joules = (double)(e1 - e0) * 1e-3;
+  const double us = calls ? s / calls * 1e6 : 0;
+  printf("| %-16s | %-40s | %9.1f | %7.1f | %10.3f | %5.0f / %4u |\n", what, shape, us,
+         joules / s, calls ? joules / calls * 1e3 : 0.0, samples ? mhz_sum / samples : 0.0,
+         samples ? mhz_min : 0u);
+  fflush(stdout);
+  return us * 1e-3;
+}
+
 static void row(const char *what, const char *shape, double us, const char *unit, double val,
                 double pct) {
   if (pct >= 0)
@@ -108,7 +203,7 @@ static void row(const char *what, const char *shape, double us, const char *unit
 /* Paged decode / prefill attention on random K/V. n_new tokens for each of S sequences with ctx
  * tokens of context; returns microseconds per call. */
 static double attn_case(int S, int n_new, int ctx, int nq, int nkv, int hd, int bs, pd_dtype dt,
-                        double *kv_bytes) {
+                        double *kv_bytes, const char *power_shape = NULL) {
   const int nb_seq = (ctx + bs - 1) / bs, num_blocks = S * nb_seq;
   const size_t elems = (size_t)num_blocks * nkv * bs * hd;
   const size_t esz = dt == PD_DTYPE_F32 ? 4 : 2;
@@ -138,7 +233,8 @@ static double attn_case(int S, int n_new, int ctx, int nq, int nkv, int hd, int 
   pd_kv_shape sh = {num_blocks, bs, nkv, hd, dt};
   pd_attn_batch b = {S, T, dqs, dcl, dbt, nb_seq, ctx, false};
   const float scale = 1.0f / sqrtf((float)hd);
-  double ms = time_ms(10, [&](int) { be->ops.attention(be, out, q, &kv, &sh, &b, nq, scale, 0); });
+  auto call = [&](int) { be->ops.attention(be, out, q, &kv, &sh, &b, nq, scale, 0); };
+  double ms = power_shape ? power_run("decode attn", power_shape, &call) : time_ms(10, call);
   *kv_bytes = 2.0 * S * (double)ctx * nkv * hd * esz;
   be->ops.free(be, kv.k);
   be->ops.free(be, kv.v);
@@ -150,8 +246,169 @@ static double attn_case(int S, int n_new, int ctx, int nq, int nkv, int hd, int 
   return ms * 1000;
 }
 
+/* ---- --power: what reading memory into the SMs costs, by the way it is read. Each kernel reads
+ * every byte of a buffer once and keeps almost nothing of it (a xor a thread, stored only if it
+ * hits a magic value), so the figures are the read path's own: 16-byte loads into registers (as
+ * the decode GEMVs), 16-byte cp.async into shared memory in double-buffered 32 KiB stages (as the
+ * decode attention), and bulk copies (sm_90) into the same stages, a 256-byte row each (into
+ * rows padded as the attention's) or a 4 KiB page each. */
+constexpr int kStageBytes = 32768, kStageRows = kStageBytes / 256, kRowPad = 256 + 16;
+
+__global__ void stream_ldg(const uint4 *p, size_t n, uint32_t *sink) {
+  uint32_t acc = 0;
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = __ldg(p + i), b = __ldg(p + i + stride), c = __ldg(p + i + 2 * stride),
+                d = __ldg(p + i + 3 * stride);
+    acc ^= a.x ^ b.y ^ c.z ^ d.w;
+  }
+  for (; i < n; i += stride) acc ^= __ldg(p + i).x;
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+/* mode 0: cp.async 16 B a thread (16 a thread a stage); 1: bulk, a 256-byte row a thread (128
+ * threads); 2: bulk, 4 KiB a thread for the first 8 threads */
+template <int MODE> __global__ void __launch_bounds__(128) stream_smem(const char *p, size_t tiles,
+                                                                      uint32_t *sink) {
+  extern __shared__ __align__(128) unsigned char sm[];
+  __shared__ __align__(8) uint64_t bar[2];
+  constexpr int STAGE = MODE == 1 ? kStageRows * kRowPad : kStageBytes;
+  const int tid = threadIdx.x;
+  if (MODE > 0 && tid == 0) {
+    pd_mbar_init(&bar[0], 1);
+    pd_mbar_init(&bar[1], 1);
+  }
+  __syncthreads();
+  auto issue = [&](size_t t, int st) {
+    const char *src = p + t * kStageBytes;
+    unsigned char *dst = sm + st * STAGE;
+    if (MODE == 0) {
+#pragma unroll
+      for (int j = 0; j < kStageBytes / 16 / 128; j++) {
+        const int c = tid + j * 128;
+        pd_cp_async16(dst + c * 16, src + c * 16, 16);
+      }
+      pd_cp_async_commit();
+    } else if (MODE == 1) {
+      if (tid == 0) pd_mbar_expect(&bar[st], kStageBytes);
+      pd_bulk_g2s(dst + tid * kRowPad, src + tid * 256, 256, &bar[st]);
+    } else {
+      if (tid == 0) pd_mbar_expect(&bar[st], kStageBytes);
+      if (tid < kStageBytes / 4096) pd_bulk_g2s(dst + tid * 4096, src + tid * 4096, 4096, &bar[st]);
+    }
+  };
+  uint32_t acc = 0;
+  int k = 0; /* tiles this block has consumed */
+  size_t t = blockIdx.x;
+  if (t < tiles) issue(t, 0);
+  for (; t < tiles; t += gridDim.x, k++) {
+    const int st = k & 1;
+    const size_t nt = t + gridDim.x;
+    if (nt < tiles) issue(nt, st ^ 1);
+    if (MODE == 0) {
+      if (nt < tiles) pd_cp_async_wait<1>();
+      else pd_cp_async_wait<0>();
+      __syncthreads();
+    } else {
+      pd_mbar_wait(&bar[st], (uint32_t)(k >> 1) & 1);
+    }
+    acc ^= *reinterpret_cast<const uint32_t *>(sm + st * STAGE + tid * (MODE == 1 ? kRowPad : 16));
+    __syncthreads(); /* the stage is read before it is refilled */
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+/* --power: the energy table (see the top of the file) */
+static int power_main(void) {
+  printf("| %-16s | %-40s | %9s | %7s | %10s | %12s |\n", "what", "shape", "us/call", "W",
+         "mJ/call", "SM MHz mean / min");
+  printf("|------------------|------------------------------------------|-----------|---------|"
+         "------------|-------------------|\n");
+  power_run<void(int)>("idle", "nothing running", NULL);
+  {
+    const size_t cb = (size_t)2 << 30;
+    void *src = dalloc(cb), *dst = dalloc(cb);
+    auto f = [&](int) { CK(cudaMemcpyAsync(dst, src, cb, cudaMemcpyDeviceToDevice, st)); };
+    power_run("copy d2d", "2 GiB, read + write", &f);
+    be->ops.free(be, src);
+    be->ops.free(be, dst);
+  }
+  {
+    const size_t n = (size_t)2 << 30;
+    char *src = (char *)dalloc(n);
+    uint32_t *sink = (uint32_t *)dalloc(64);
+    CK(cudaMemsetAsync(src, 1, n, st));
+    int sms = 0, dev = 0, major = 0;
+    CK(cudaGetDevice(&dev));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    auto ldg = [&](int) { stream_ldg<<<sms * 8, 256, 0, st>>>((const uint4 *)src, n / 16, sink); };
+    power_run("read", "2 GiB, 16-byte loads to registers", &ldg);
+    const size_t tiles = n / kStageBytes;
+    const int smem0 = 2 * kStageBytes, smem1 = 2 * kStageRows * kRowPad;
+    CK(cudaFuncSetAttribute(stream_smem<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem0));
+    auto cpa = [&](int) { stream_smem<0><<<sms * 3, 128, smem0, st>>>(src, tiles, sink); };
+    power_run("read", "2 GiB, cp.async 16 B into smem", &cpa);
+    if (major >= 9) {
+      CK(cudaFuncSetAttribute(stream_smem<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem1));
+      CK(cudaFuncSetAttribute(stream_smem<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem0));
+      auto b256 = [&](int) { stream_smem<1><<<sms * 3, 128, smem1, st>>>(src, tiles, sink); };
+      power_run("read", "2 GiB, bulk copies of 256 B rows", &b256);
+      auto b4k = [&](int) { stream_smem<2><<<sms * 3, 128, smem0, st>>>(src, tiles, sink); };
+      power_run("read", "2 GiB, bulk copies of 4 KiB", &b4k);
+    }
+    CK(cudaGetLastError());
+    be->ops.free(be, src);
+    be->ops.free(be, sink);
+  }
+  /* Llama-3-8B's projections: M = 1 (one copy of the weight streamed per call) and M = 256 */
+  static const int shapes[][3] = {{1, 28672, 4096},   {256, 6144, 4096}, {256, 4096, 4096},
+                                  {256, 28672, 4096}, {256, 4096, 14336}};
+  for (const auto &sh : shapes) {
+    const int M = sh[0], N = sh[1], K = sh[2];
+    const size_t wb = (size_t)N * K * 2;
+    int copies = (int)((512ull << 20) / wb) + 1; /* >= 512 MiB cycled: L2 never holds them */
+    if (copies > 16) copies = 16;
+    std::vector<void *> w(copies);
+    for (int c = 0; c < copies; c++) {
+      w[c] = dalloc(wb);
+      fill_bf16<<<4096, 256, 0, st>>>((__nv_bfloat16 *)w[c], (size_t)N * K, 0.02f, 10 + c);
+    }
+    float *x = (float *)dalloc((size_t)M * K * 4), *y = (float *)dalloc((size_t)M * N * 4);
+    fill_f32<<<1024, 256, 0, st>>>(x, (size_t)M * K, 1.0f, 7);
+    auto f = [&](int i) { be->ops.matmul(be, y, x, w[i % copies], PD_DTYPE_BF16, NULL, M, N, K); };
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d N=%d K=%d bf16", M, N, K);
+    power_run(M == 1 ? "GEMV" : "GEMM (ops)", shape, &f);
+    for (int c = 0; c < copies; c++) be->ops.free(be, w[c]);
+    be->ops.free(be, x);
+    be->ops.free(be, y);
+  }
+  double bytes;
+  attn_case(256, 1, 1024, 32, 8, 128, 16, PD_DTYPE_BF16, &bytes, "256 seqs x 1024 ctx, bf16");
+  attn_case(32, 1, 8192, 32, 8, 128, 16, PD_DTYPE_BF16, &bytes, "32 seqs x 8192 ctx, bf16");
+  return 0;
+}
+
 int main(int argc, char **argv) {
-  int dev = argc > 1 ? atoi(argv[1]) : 0;
+  int dev = 0;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--power") && i + 1 < argc) {
+      g_power_s = atof(argv[++i]);
+      if (!(g_power_s > 0 && g_power_s <= 600)) {
+        fprintf(stderr, "pd-bench-cuda: --power takes seconds (0 < S <= 600)\n");
+        return 2;
+      }
+      if (i + 1 < argc && !(argv[i + 1][0] >= '0' && argv[i + 1][0] <= '9'))
+        g_power_only = argv[++i];
+    } else if (argv[i][0] >= '0' && argv[i][0] <= '9') {
+      dev = atoi(argv[i]);
+    } else {
+      fprintf(stderr, "usage: pd-bench-cuda [device] [--power SECONDS [WHAT]]\n");
+      return 2;
+    }
+  }
   if (pd_cuda_device_count() == 0) {
     printf("pd-bench-cuda: no CUDA device\n");
     return 77;
@@ -168,6 +425,16 @@ int main(int argc, char **argv) {
   CK(cudaGetDeviceProperties(&prop, dev));
   printf("device %d: %s, %d SMs, %.0f MiB, L2 %d MiB\n\n", dev, prop.name,
          prop.multiProcessorCount, prop.totalGlobalMem / 1048576.0, prop.l2CacheSize >> 20);
+  if (g_power_s > 0) {
+    if (!nvml_open(dev)) {
+      fprintf(stderr, "pd-bench-cuda: --power needs NVML (libnvidia-ml.so.1) with the energy "
+                      "counter\n");
+      return 1;
+    }
+    const int rc = power_main();
+    pd_backend_destroy(be);
+    return rc;
+  }
   printf("| %-16s | %-40s | %9s | %15s | %6s |\n", "what", "shape", "us/call", "rate", "% copy");
   printf("|------------------|------------------------------------------|-----------|-----------------|--------|\n");
 

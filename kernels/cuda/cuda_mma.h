@@ -1,6 +1,7 @@
 /* Device helpers shared by the tensor-core attention kernels (cuda_attn_prefill.cu,
  * cuda_attn_decode_tc.cu): mma.sync m16n8k16 with f32 accumulation on bf16 or f16 operands,
- * operand packing, ldmatrix, cp.async, 32-bit shared loads. CUDA C++ only; sm_80+. */
+ * operand packing, ldmatrix, cp.async, bulk copies on an mbarrier (sm_90), 32-bit shared loads.
+ * CUDA C++ only; sm_80+. */
 #ifndef PD_CUDA_MMA_H
 #define PD_CUDA_MMA_H
 
@@ -73,6 +74,58 @@ __device__ __forceinline__ void pd_cp_async_commit() {
 }
 template <int N> __device__ __forceinline__ void pd_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Bulk copies (Hopper's TMA engine, sm_90+): `bytes` (a multiple of 16, both addresses 16-byte
+ * aligned) global -> shared in one instruction, completion counted in bytes on an mbarrier. */
+__device__ __forceinline__ void pd_mbar_init(uint64_t *bar, int count) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(
+                   (uint32_t)__cvta_generic_to_shared(bar)),
+               "r"(count));
+  asm volatile("fence.mbarrier_init.release.cluster;\n");
+#endif
+}
+/* one arrival that also adds `bytes` to the transactions the current phase waits for */
+__device__ __forceinline__ void pd_mbar_expect(uint64_t *bar, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                   (uint32_t)__cvta_generic_to_shared(bar)),
+               "r"(bytes));
+#endif
+}
+__device__ __forceinline__ void pd_bulk_g2s(void *dst, const void *src, uint32_t bytes,
+                                            uint64_t *bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+               " [%0], [%1], %2, [%3];\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src), "r"(bytes), "r"((uint32_t)__cvta_generic_to_shared(bar))
+               : "memory");
+#endif
+}
+/* A box of a 2D tensor map (a __grid_constant__ kernel parameter) at column c0, row c1 into
+ * shared memory, as a bulk copy on bar. */
+__device__ __forceinline__ void pd_tma_load_2d(void *dst, const void *tmap, int c0, int c1,
+                                               uint64_t *bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3}], [%4];\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(tmap), "r"(c0), "r"(c1), "r"((uint32_t)__cvta_generic_to_shared(bar))
+               : "memory");
+#endif
+}
+/* waits until the phase of parity `parity` has completed */
+__device__ __forceinline__ void pd_mbar_wait(uint64_t *bar, uint32_t parity) {
+#if __CUDA_ARCH__ >= 900
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(bar);
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(a), "r"(parity)
+                 : "memory");
+#endif
 }
 
 __device__ __forceinline__ uint32_t pd_lds32(const void *p) {
