@@ -17,10 +17,23 @@
  * workspace and the merge kernel: each block leaves its (m, l, O) in its own shared memory, and
  * after a cluster barrier block k merges every k-th output element from all the blocks' copies.
  * That saves a kernel and a round trip through global memory per layer, which is what a short
- * decode attention (batch 1, a few hundred keys, a few microseconds) is made of. */
+ * decode attention (batch 1, a few hundred keys, a few microseconds) is made of.
+ *
+ * TMA (Hopper): the tiles come by tensor-map copies that a few lanes of warp 0 issue, a 64-key
+ * tile in 2 to 32 boxes (tma_geom), instead of 16 cp.async a thread with their address
+ * arithmetic. The kernel then runs a third of the instructions (ncu, 256 sequences x 1k keys:
+ * 98.4 M -> 37.0 M with the softmax's trims below), and that is energy: the board runs the
+ * 256-sequence decode step at its 700 W limit, where the attention alone took 191 mJ a layer and
+ * now takes 160 (pd-bench-cuda --power; a plain read of the same bytes costs ~100). G8 (at most 8
+ * heads a group, Llama's and Qwen's shapes) skips the padding rows' softmax; every variant
+ * rescales O only when a row's maximum moved and masks keys only in a split's last tile. */
 #include <math.h>
 
 #include <cooperative_groups.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cuda_mma.h"
 
@@ -45,16 +58,46 @@ template <int HD> struct tc_geom {
   static constexpr size_t SMEM = SMEM_A > SMEM_CL ? SMEM_A : SMEM_CL;
 };
 
+/* The TMA variant's tiles (Hopper; 16-bit caches, head dims 64 and 128, page sizes a power of two
+ * from 8 to 256, no window): a stage is K then V, each as HD / 64 column halves of 64 rows x 128
+ * bytes, filled by the tensor-memory accelerator from 2D tensor maps over the caches (a box is
+ * up to 64 rows of one page and one half) with the 128-byte swizzle: the 16-byte chunk c of row r
+ * sits at chunk c ^ (r & 7), so that the fragment loads (ldmatrix, 8 rows at a time) meet no bank
+ * conflict. One lane per box issues its copy; the stage's mbarrier counts the bytes. The threads
+ * issue no copies and compute no cache addresses: a 64-key tile costs its warps a wait instead
+ * of 16 cp.async and their address arithmetic a thread, about a third of the kernel's
+ * instructions, and on a board at its power limit instructions are time. */
+template <int HD> struct tma_geom {
+  static constexpr int NH = HD / 64;              /* 128-byte column halves */
+  static constexpr int HALF = BN * 128;           /* bytes of one half of one tile */
+  static constexpr int STAGE = 2 * NH * HALF;     /* K then V */
+  static constexpr size_t SMEM_TILES = 1024 + (size_t)2 * STAGE; /* + alignment slack */
+};
+/* the byte offset of 16-byte chunk c (0..HD/8-1) of row r in a K or V tile (swizzled) */
+__device__ __forceinline__ uint32_t tma_off(int r, int c) {
+  return (uint32_t)((c >> 3) * tma_geom<64>::HALF + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
 /* P2: the page size is a power of two (shifts and masks; otherwise divisions: instantiated apart,
- * so that the usual kernel carries no division code) */
-template <int HD, typename KT, bool CL, bool P2>
-__global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_attn a) {
+ * so that the usual kernel carries no division code). TMA: the tiles come by tensor-map copies
+ * (see tma_geom; implies P2). G8: at most 8 query heads a group (rows 8-15 of the tile are
+ * padding: no softmax for them). */
+template <int HD, typename KT, bool CL, bool P2, bool TMA, bool G8>
+__global__ void __launch_bounds__(kThreads, 3)
+    attn_decode_tc_kernel(const pd_cuda_attn a, const __grid_constant__ CUtensorMap tmk,
+                          const __grid_constant__ CUtensorMap tmv) {
   using G_ = tc_geom<HD>;
+  using T_ = tma_geom<HD>;
   constexpr int LD = G_::LD, CPR = G_::CPR, KS = HD / 16, DT = HD / 8;
   static_assert(HD % 16 == 0 && DT % 2 == 0, "head dim must be a multiple of 16");
+  static_assert(!TMA || HD % 64 == 0, "the TMA tiles are 64-column halves");
   extern __shared__ __align__(16) unsigned char smem[];
   KT *tiles = reinterpret_cast<KT *>(smem);
   __shared__ __align__(16) KT sQ[16 * LD];
+  __shared__ __align__(8) uint64_t bar[2]; /* TMA: a stage's copies done */
+  /* TMA: the stages at the first 1024-byte boundary (the swizzle's period) */
+  const uint32_t tbase = TMA ? (1024u - ((uint32_t)__cvta_generic_to_shared(smem) & 1023u)) & 1023u
+                             : 0u;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, lg = lane >> 2, lt = lane & 3;
   const int s = blockIdx.x, g = blockIdx.y, split = blockIdx.z;
@@ -81,8 +124,8 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   /* A thread copies NJ 16-byte chunks of K and of V per tile: rows (tid + j * kThreads) / CPR.
    * Their pages' ids are read from the block table one tile ahead of the copies (pid), so that
    * issuing a tile's copies waits for no load, and power-of-two page sizes take shifts. */
-  constexpr int NJ = BN * CPR / kThreads;
-  static_assert(BN * CPR % kThreads == 0, "a tile's chunks split evenly over the threads");
+  constexpr int NJ = TMA ? 1 : BN * CPR / kThreads;
+  static_assert(TMA || BN * CPR % kThreads == 0, "a tile's chunks split evenly over the threads");
   const int bs_sh = P2 ? __ffs(bs) - 1 : 0;
   auto page_of = [&](int kp) { return P2 ? kp >> bs_sh : kp / bs; };
   /* the table entry of key kp (clamped into the sequence's row: loaded before kp is known to
@@ -91,13 +134,24 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     const int pi = page_of(kp);
     return __ldg(bt + (pi < a.max_blocks ? pi : a.max_blocks - 1));
   };
+  /* TMA: lane `lane` of warp 0 copies box lane / (2 NH) of a tile (rows of one page), of K or
+   * of V as (lane / NH) & 1, column half lane % NH; boxes of box_rows = min(page, 64) rows */
+  const int box_rows = bs < BN ? bs : BN, n_box = BN / box_rows;
+  const int my_box = lane / (2 * T_::NH), my_kv = (lane / T_::NH) & 1, my_half = lane % T_::NH;
+  const bool tma_lane = TMA && warp == 0 && my_box < n_box;
   const bool pre = a.split_len > 0 && a.window <= 0;
   const long long kpre_l = pre ? (long long)split * a.split_len : 0;
   const int kpre = kpre_l < (long long)a.max_blocks * bs ? (int)kpre_l : 0;
   int pre_page[NJ];
 #pragma unroll
-  for (int j = 0; j < NJ; j++)
-    pre_page[j] = pre ? table_at(kpre + (tid + j * kThreads) / CPR) : -1;
+  for (int j = 0; j < NJ; j++) {
+    const int row = TMA ? my_box * box_rows : (tid + j * kThreads) / CPR;
+    pre_page[j] = pre && (!TMA || tma_lane) ? table_at(kpre + row) : -1;
+  }
+  if (TMA && tid == 0) {
+    pd_mbar_init(&bar[0], 1);
+    pd_mbar_init(&bar[1], 1);
+  }
 
   const int lo = a.window > 0 && L - a.window > 0 ? L - a.window : 0;
   long long sl = a.split_len;
@@ -124,27 +178,50 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
     const int k0 = kbeg + tile * BN;
 #pragma unroll
     for (int j = 0; j < NJ; j++) {
-      const int kp = k0 + (tid + j * kThreads) / CPR;
+      const int kp = k0 + (TMA ? my_box * box_rows : (tid + j * kThreads) / CPR);
+      if (TMA && !tma_lane) {
+        pid[j] = -1;
+        continue;
+      }
       const int p = tile == 0 && pre ? pre_page[j] : table_at(kp);
       pid[j] = kp < kend ? p : -1;
     }
   };
   auto load_tile = [&](int tile, int stage) {
-    KT *sk = tiles + stage * G_::STAGE, *sv = sk + BN * LD;
     const int k0 = kbeg + tile * BN;
+    if constexpr (TMA) {
+      /* the boxes holding keys of the context; the stage's barrier expects their bytes */
+      if (warp == 0) {
+        const int valid = kend - k0 < BN ? kend - k0 : BN;
+        const int boxes = (valid + box_rows - 1) / box_rows;
+        if (lane == 0) pd_mbar_expect(&bar[stage], (uint32_t)(boxes * box_rows * 128 * 2 * T_::NH));
+        if (pid[0] >= 0) {
+          const int in_page = P2 ? (k0 + my_box * box_rows) & (bs - 1) : 0;
+          const int row = (pid[0] * nkv + g) * bs + in_page;
+          unsigned char *dst = smem + tbase + stage * T_::STAGE + my_kv * (T_::NH * T_::HALF) +
+                               my_half * T_::HALF + my_box * box_rows * 128;
+          pd_tma_load_2d(dst, my_kv ? (const void *)&tmv : (const void *)&tmk, my_half * 64, row,
+                         &bar[stage]);
+        }
+      }
+    } else {
+      KT *sk = tiles + stage * G_::STAGE, *sv = sk + BN * LD;
 #pragma unroll
-    for (int j = 0; j < NJ; j++) {
-      const int i = tid + j * kThreads, r = i / CPR, c = i - r * CPR, kp = k0 + r;
-      const bool ok = pid[j] >= 0;
-      const int in_page = P2 ? kp & (bs - 1) : kp - page_of(kp) * bs;
-      const size_t off = ok ? (((size_t)pid[j] * nkv + g) * bs + in_page) * HD + (size_t)c * 8 : 0;
-      pd_cp_async16(&sk[r * LD + c * 8], kc + off, ok ? 16 : 0);
-      pd_cp_async16(&sv[r * LD + c * 8], vc + off, ok ? 16 : 0);
+      for (int j = 0; j < NJ; j++) {
+        const int i = tid + j * kThreads, r = i / CPR, c = i - r * CPR, kp = k0 + r;
+        const bool ok = pid[j] >= 0;
+        const int in_page = P2 ? kp & (bs - 1) : kp - page_of(kp) * bs;
+        const size_t off =
+            ok ? (((size_t)pid[j] * nkv + g) * bs + in_page) * HD + (size_t)c * 8 : 0;
+        pd_cp_async16(&sk[r * LD + c * 8], kc + off, ok ? 16 : 0);
+        pd_cp_async16(&sv[r * LD + c * 8], vc + off, ok ? 16 : 0);
+      }
+      pd_cp_async_commit();
     }
-    pd_cp_async_commit();
   };
 
   if (n_tiles > 0) {
+    if (TMA && warp == 0) __syncwarp(); /* the barriers' initialisation before their use */
     read_pages(0);
     load_tile(0, 0);
     if (n_tiles > 1) read_pages(1);
@@ -158,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
         pd_tc<KT>::pack(qv[j].x * qscale, qv[j].y * qscale);
   }
 
-  __syncthreads(); /* sQ */
+  __syncthreads(); /* sQ (and, TMA, the barriers' initialisation) */
   uint32_t qa[KS][4];
 #pragma unroll
   for (int ks = 0; ks < KS; ks++) {
@@ -174,15 +251,36 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
   float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
 
   for (int tile = 0; tile < n_tiles; tile++) {
-    if (tile + 1 < n_tiles) {
-      load_tile(tile + 1, (tile + 1) & 1);
-      if (tile + 2 < n_tiles) read_pages(tile + 2); /* used by the next iteration's copies */
-      pd_cp_async_wait<1>();
+    const int st = tile & 1;
+    if constexpr (TMA) {
+      if (tile + 1 < n_tiles) {
+        load_tile(tile + 1, st ^ 1);
+        if (tile + 2 < n_tiles) read_pages(tile + 2);
+      }
+      pd_mbar_wait(&bar[st], (uint32_t)(tile >> 1) & 1);
+      /* a tile that ends past the context: its V rows there (stale, or cache rows past the
+       * sequence's end, which may hold anything, NaN included) are zeroed, as P is 0 there */
+      const int valid = kend - (kbeg + tile * BN);
+      if (valid < BN) {
+        unsigned char *sv = smem + tbase + st * T_::STAGE + T_::NH * T_::HALF;
+        for (int i = tid; i < (BN - valid) * (HD / 8); i += kThreads) {
+          const int r = valid + i / (HD / 8), c = i % (HD / 8);
+          *reinterpret_cast<uint4 *>(sv + tma_off(r, c)) = make_uint4(0, 0, 0, 0);
+        }
+        __syncthreads();
+      }
     } else {
-      pd_cp_async_wait<0>();
+      if (tile + 1 < n_tiles) {
+        load_tile(tile + 1, st ^ 1);
+        if (tile + 2 < n_tiles) read_pages(tile + 2); /* used by the next iteration's copies */
+        pd_cp_async_wait<1>();
+      } else {
+        pd_cp_async_wait<0>();
+      }
+      __syncthreads();
     }
-    __syncthreads();
-    const KT *sk = tiles + (tile & 1) * G_::STAGE, *sv = sk + BN * LD;
+    const KT *sk = tiles + st * G_::STAGE, *sv = sk + BN * LD;
+    const unsigned char *tk = smem + tbase + st * T_::STAGE, *tv = tk + T_::NH * T_::HALF;
     const int kw = warp * 16;                     /* this warp's keys in the tile */
     const int kp0 = kbeg + tile * BN + kw;        /* position of its first key */
 
@@ -190,61 +288,90 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {
       sa[nt][0] = sa[nt][1] = sa[nt][2] = sa[nt][3] = 0.0f;
+      if constexpr (TMA) {
+        /* K's B fragments of two k-steps an ldmatrix: matrices = 16-byte chunks 2ks .. 2ks+3 */
+        const int r = kw + nt * 8 + (lane & 7);
 #pragma unroll
-      for (int ks = 0; ks < KS; ks++) {
-        const KT *kr = &sk[(kw + nt * 8 + lg) * LD + ks * 16 + lt * 2];
-        pd_tc<KT>::mma(sa[nt], qa[ks], pd_lds32(kr), pd_lds32(kr + 8));
+        for (int ks = 0; ks < KS; ks += 2) {
+          uint32_t kb[4];
+          pd_ldmatrix_x4(kb, tk + tma_off(r, 2 * ks + (lane >> 3)));
+          pd_tc<KT>::mma(sa[nt], qa[ks], kb[0], kb[1]);
+          pd_tc<KT>::mma(sa[nt], qa[ks + 1], kb[2], kb[3]);
+        }
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+          const KT *kr = &sk[(kw + nt * 8 + lg) * LD + ks * 16 + lt * 2];
+          pd_tc<KT>::mma(sa[nt], qa[ks], pd_lds32(kr), pd_lds32(kr + 8));
+        }
       }
     }
-    float mxA = -INFINITY, mxB = -INFINITY;
+    /* the online softmax; G8 (at most 8 heads a group): the tile's rows 8-15 (c[2], c[3]) are
+     * padding and get no arithmetic. Keys past the context only in the last tile. */
+    if (kbeg + tile * BN + BN > kend) {
 #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
+      for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const bool ok = kp0 + nt * 8 + lt * 2 + e < kend;
-        sa[nt][e] = ok ? sa[nt][e] : -INFINITY;
-        sa[nt][2 + e] = ok ? sa[nt][2 + e] : -INFINITY;
-        mxA = fmaxf(mxA, sa[nt][e]);
-        mxB = fmaxf(mxB, sa[nt][2 + e]);
-      }
+        for (int e = 0; e < 2; e++) {
+          const bool ok = kp0 + nt * 8 + lt * 2 + e < kend;
+          sa[nt][e] = ok ? sa[nt][e] : -INFINITY;
+          if (!G8) sa[nt][2 + e] = ok ? sa[nt][2 + e] : -INFINITY;
+        }
+    }
+    float mxA = fmaxf(fmaxf(sa[0][0], sa[0][1]), fmaxf(sa[1][0], sa[1][1]));
     mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
     mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
-    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
-    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-    const float mnA = fmaxf(mA, mxA), mnB = fmaxf(mB, mxB);
-    const float muA = mnA == -INFINITY ? 0.0f : mnA, muB = mnB == -INFINITY ? 0.0f : mnB;
-    const float corrA = exp2f(mA - muA), corrB = exp2f(mB - muB);
+    const float mnA = fmaxf(mA, mxA);
+    const float muA = mnA == -INFINITY ? 0.0f : mnA;
+    const float corrA = pd_ex2(mA - muA);
     mA = mnA;
-    mB = mnB;
-    float sumA = 0.0f, sumB = 0.0f;
+    float corrB = 1.0f;
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {
-      sa[nt][0] = exp2f(sa[nt][0] - muA);
-      sa[nt][1] = exp2f(sa[nt][1] - muA);
-      sa[nt][2] = exp2f(sa[nt][2] - muB);
-      sa[nt][3] = exp2f(sa[nt][3] - muB);
-      sumA += sa[nt][0] + sa[nt][1];
-      sumB += sa[nt][2] + sa[nt][3];
+      sa[nt][0] = pd_ex2(sa[nt][0] - muA);
+      sa[nt][1] = pd_ex2(sa[nt][1] - muA);
     }
-    lA = lA * corrA + sumA;
-    lB = lB * corrB + sumB;
+    lA = lA * corrA + (sa[0][0] + sa[0][1]) + (sa[1][0] + sa[1][1]);
+    if (!G8) {
+      float mxB = fmaxf(fmaxf(sa[0][2], sa[0][3]), fmaxf(sa[1][2], sa[1][3]));
+      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+      const float mnB = fmaxf(mB, mxB);
+      const float muB = mnB == -INFINITY ? 0.0f : mnB;
+      corrB = pd_ex2(mB - muB);
+      mB = mnB;
+#pragma unroll
+      for (int nt = 0; nt < 2; nt++) {
+        sa[nt][2] = pd_ex2(sa[nt][2] - muB);
+        sa[nt][3] = pd_ex2(sa[nt][3] - muB);
+      }
+      lB = lB * corrB + (sa[0][2] + sa[0][3]) + (sa[1][2] + sa[1][3]);
+    }
     uint32_t pa[4];
     pa[0] = pd_tc<KT>::pack(sa[0][0], sa[0][1]);
-    pa[1] = pd_tc<KT>::pack(sa[0][2], sa[0][3]);
+    pa[1] = G8 ? 0u : pd_tc<KT>::pack(sa[0][2], sa[0][3]);
     pa[2] = pd_tc<KT>::pack(sa[1][0], sa[1][1]);
-    pa[3] = pd_tc<KT>::pack(sa[1][2], sa[1][3]);
+    pa[3] = G8 ? 0u : pd_tc<KT>::pack(sa[1][2], sa[1][3]);
+    /* O rescaled only when a row's maximum moved somewhere in the warp (after the first tiles,
+     * rarely) */
+    if (__any_sync(0xffffffffu, corrA != 1.0f || corrB != 1.0f)) {
+#pragma unroll
+      for (int dt = 0; dt < DT; dt++) {
+        o[dt][0] *= corrA;
+        o[dt][1] *= corrA;
+        if (!G8) {
+          o[dt][2] *= corrB;
+          o[dt][3] *= corrB;
+        }
+      }
+    }
 #pragma unroll
     for (int dt = 0; dt < DT; dt += 2) {
-      o[dt][0] *= corrA;
-      o[dt][1] *= corrA;
-      o[dt][2] *= corrB;
-      o[dt][3] *= corrB;
-      o[dt + 1][0] *= corrA;
-      o[dt + 1][1] *= corrA;
-      o[dt + 1][2] *= corrB;
-      o[dt + 1][3] *= corrB;
       uint32_t vb[4];
-      pd_ldmatrix_x4_trans(vb, &sv[(kw + (lane & 15)) * LD + dt * 8 + (lane >> 4) * 8]);
+      if constexpr (TMA)
+        pd_ldmatrix_x4_trans(vb, tv + tma_off(kw + (lane & 15), dt + (lane >> 4)));
+      else
+        pd_ldmatrix_x4_trans(vb, &sv[(kw + (lane & 15)) * LD + dt * 8 + (lane >> 4) * 8]);
       pd_tc<KT>::mma(o[dt], pa, vb[0], vb[1]);
       pd_tc<KT>::mma(o[dt + 1], pa, vb[2], vb[3]);
     }
@@ -361,12 +488,20 @@ __global__ void __launch_bounds__(kThreads, 3) attn_decode_tc_kernel(pd_cuda_att
 }
 
 
+/* dynamic shared memory of a variant: the tiles, the warps' merge and the cluster's merge
+ * overlap (each is done with before the next starts) */
+template <int HD, bool TMA> constexpr size_t smem_of() {
+  return TMA ? (tma_geom<HD>::SMEM_TILES > tc_geom<HD>::SMEM ? tma_geom<HD>::SMEM_TILES
+                                                               : tc_geom<HD>::SMEM)
+             : tc_geom<HD>::SMEM;
+}
+
 /* The launch of the CL kernel over `grid`, the splits (grid z) of a (sequence, KV head) one
  * cluster; *at is the cluster attribute cfg points to. Also sets the shared-memory opt-in. */
-template <int HD, typename KT, bool P2>
+template <int HD, typename KT, bool P2, bool TMA, bool G8>
 cudaLaunchConfig_t cluster_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute *at) {
-  const size_t smem = tc_geom<HD>::SMEM;
-  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, true, P2>, smem);
+  const size_t smem = smem_of<HD, TMA>();
+  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, true, P2, TMA, G8>, smem);
   at->id = cudaLaunchAttributeClusterDimension;
   at->val.clusterDim.x = 1;
   at->val.clusterDim.y = 1;
@@ -381,37 +516,89 @@ cudaLaunchConfig_t cluster_config(dim3 grid, cudaStream_t st, cudaLaunchAttribut
   return cfg;
 }
 
-template <int HD, typename KT, bool P2> void launch_p2(cudaStream_t st, const pd_cuda_attn *a) {
-  const size_t smem = tc_geom<HD>::SMEM;
+template <int HD, typename KT, bool P2, bool TMA, bool G8>
+void launch_p2(cudaStream_t st, const pd_cuda_attn *a, const CUtensorMap &tmk,
+               const CUtensorMap &tmv) {
+  const size_t smem = smem_of<HD, TMA>();
   dim3 grid((unsigned)a->n_seqs, (unsigned)a->n_kv_heads, (unsigned)a->n_splits);
   if (a->cluster) {
     cudaLaunchAttribute at;
-    const cudaLaunchConfig_t cfg = cluster_config<HD, KT, P2>(grid, st, &at);
-    cudaLaunchKernelEx(&cfg, attn_decode_tc_kernel<HD, KT, true, P2>, *a);
+    const cudaLaunchConfig_t cfg = cluster_config<HD, KT, P2, TMA, G8>(grid, st, &at);
+    cudaLaunchKernelEx(&cfg, attn_decode_tc_kernel<HD, KT, true, P2, TMA, G8>, *a, tmk, tmv);
     return;
   }
-  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, false, P2>, smem);
-  attn_decode_tc_kernel<HD, KT, false, P2><<<grid, kThreads, smem, st>>>(*a);
+  pd_cuda_smem_optin((const void *)attn_decode_tc_kernel<HD, KT, false, P2, TMA, G8>, smem);
+  attn_decode_tc_kernel<HD, KT, false, P2, TMA, G8><<<grid, kThreads, smem, st>>>(*a, tmk, tmv);
+}
+
+/* ---- the TMA variant's tensor maps (built per call on the host: no device work) */
+
+/* cuTensorMapEncodeTiled through the runtime (no link to the driver library); NULL where the
+ * driver lacks it */
+PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
+  static int tried = 0;
+  if (!tried) {
+    void *p = NULL;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+    else
+      cudaGetLastError();
+    tried = 1;
+  }
+  return fn;
+}
+
+/* The cache at base as a 2D tensor of head_dim columns and num_blocks * n_kv_heads * block_size
+ * rows, copied in boxes of 64 columns x min(block_size, 64) rows with the 128-byte swizzle. */
+bool tma_map(CUtensorMap *m, const void *base, const pd_cuda_attn *a) {
+  const PFN_cuTensorMapEncodeTiled_v12000 fn = tma_encode_fn();
+  if (!fn) return false;
+  const cuuint64_t dims[2] = {(cuuint64_t)a->head_dim,
+                              (cuuint64_t)a->num_blocks * a->n_kv_heads * a->block_size};
+  const cuuint64_t strides[1] = {(cuuint64_t)a->head_dim * 2};
+  const cuuint32_t box[2] = {64, (cuuint32_t)(a->block_size < BN ? a->block_size : BN)};
+  const cuuint32_t estr[2] = {1, 1};
+  return fn(m,
+            a->kv_dtype == PD_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                         : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            2, const_cast<void *>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 template <int HD, typename KT> void launch_hd(cudaStream_t st, const pd_cuda_attn *a) {
+  static const CUtensorMap none = {};
+  if constexpr (HD % 64 == 0) {
+    CUtensorMap tmk, tmv;
+    if (a->tma && tma_map(&tmk, a->k, a) && tma_map(&tmv, a->v, a)) {
+      if (a->group <= 8)
+        launch_p2<HD, KT, true, true, true>(st, a, tmk, tmv);
+      else
+        launch_p2<HD, KT, true, true, false>(st, a, tmk, tmv);
+      return;
+    }
+  }
   if ((a->block_size & (a->block_size - 1)) == 0)
-    launch_p2<HD, KT, true>(st, a);
+    launch_p2<HD, KT, true, false, false>(st, a, none, none);
   else
-    launch_p2<HD, KT, false>(st, a);
+    launch_p2<HD, KT, false, false, false>(st, a, none, none);
 }
 
 /* Whether a cluster of kMaxCluster blocks of the CL kernel fits on this device (checked once
- * per kernel: the answer depends on its shared memory only, the same for both P2 variants). */
+ * per kernel: the answer depends on its shared memory only; the non-TMA variants use the most) */
 template <int HD, typename KT> bool cluster_fits() {
   static int fits = -1;
   if (fits < 0) {
     cudaLaunchAttribute at;
     const cudaLaunchConfig_t cfg =
-        cluster_config<HD, KT, true>(dim3(1, 1, kMaxCluster), 0, &at);
+        cluster_config<HD, KT, true, false, false>(dim3(1, 1, kMaxCluster), 0, &at);
     int n = 0;
     const cudaError_t r = cudaOccupancyMaxActiveClusters(
-        &n, (const void *)attn_decode_tc_kernel<HD, KT, true, true>, &cfg);
+        &n, (const void *)attn_decode_tc_kernel<HD, KT, true, true, false, false>, &cfg);
     if (r != cudaSuccess) cudaGetLastError();
     fits = r == cudaSuccess && n > 0;
   }
@@ -438,6 +625,23 @@ int pd_cuda_attn_decode_tc_max_cluster(const pd_cuda_attn *a, int cc_major) {
   const bool fits = a->kv_dtype == PD_DTYPE_BF16 ? fits_kt<__nv_bfloat16>(a->head_dim)
                                                  : fits_kt<__half>(a->head_dim);
   return fits ? kMaxCluster : 1;
+}
+
+/* The TMA variant (see tma_geom): Hopper and later, head dims 64 and 128, power-of-two pages
+ * of 8 to 256 tokens, no window (tiles then start on a page or at a multiple of 64 keys inside
+ * one), caches 16-byte aligned, rows indexable in 32 bits, the driver's tensor-map encoder.
+ * PD_CUDA_ATTN_TMA=0 turns it off (a measurement switch). */
+bool pd_cuda_attn_decode_tma_ok(const pd_cuda_attn *a, int cc_major) {
+  static int on = -1;
+  if (on < 0) {
+    const char *ev = getenv("PD_CUDA_ATTN_TMA");
+    on = !(ev && !strcmp(ev, "0"));
+  }
+  const int bs = a->block_size;
+  return on && cc_major >= 9 && pd_cuda_attn_decode_tc_ok(a) && a->head_dim % 64 == 0 &&
+         bs >= 8 && bs <= 256 && (bs & (bs - 1)) == 0 && a->window <= 0 &&
+         ((uintptr_t)a->k & 15) == 0 && ((uintptr_t)a->v & 15) == 0 && a->num_blocks > 0 &&
+         (long long)a->num_blocks * a->n_kv_heads * bs < (1LL << 31) && tma_encode_fn();
 }
 
 bool pd_cuda_attn_decode_tc_ok(const pd_cuda_attn *a) {

@@ -638,6 +638,7 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
   a.v = kv->v;
   a.kv_dtype = shape->dtype;
   a.block_size = shape->block_size;
+  a.num_blocks = shape->num_blocks;
   a.n_kv_heads = shape->num_kv_heads;
   a.head_dim = shape->head_dim;
   a.n_q_heads = n_q_heads;
@@ -711,6 +712,9 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       if (a.n_splits > 1 && a.split_len != 64) a.split_len = 0;
       a.cluster = cluster_on && a.n_splits > 1 &&
                   a.n_splits <= pd_cuda_attn_decode_tc_max_cluster(&a, c->cc_major);
+      /* (not for splits of one tile: batch 1's attention over a few hundred keys is a chain
+       * of latencies, where the tensor-map copies' barrier adds one: 4.071 -> 4.080 ms a step) */
+      a.tma = a.split_len != 64 && pd_cuda_attn_decode_tma_ok(&a, c->cc_major);
       pd_cuda_attn_decode_tc(c->st, &a);
       CK_LAUNCH(c, "attention (decode, tensor cores)");
       if (a.cluster) return;

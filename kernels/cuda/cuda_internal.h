@@ -214,6 +214,10 @@ typedef struct pd_cuda_attn {
   /* non-NULL: the final output goes there in bf16 (rounded to nearest even) instead of to out:
    * the next GEMM's 16-bit operand */
   __nv_bfloat16 *out16;
+  /* tensor-core decode: the tiles by tensor-map copies (pd_cuda_attn_decode_tma_ok), over a
+   * cache of num_blocks pages */
+  bool tma;
+  int num_blocks;
 } pd_cuda_attn;
 
 /* The attention's final output element i (pairs: i even) to out, or to out16 when set. */
@@ -239,6 +243,7 @@ void pd_cuda_attn_decode(cudaStream_t st, const pd_cuda_attn *a);
  * head dims; grid over (sequence, KV head, split), all heads of a group in one block. */
 bool pd_cuda_attn_decode_tc_ok(const pd_cuda_attn *a);
 void pd_cuda_attn_decode_tc(cudaStream_t st, const pd_cuda_attn *a);
+bool pd_cuda_attn_decode_tma_ok(const pd_cuda_attn *a, int cc_major);
 /* The most splits a->cluster takes on this device (compute capability cc_major): 8 on Hopper
  * and later when such a cluster fits, else 1 (no cluster merge). */
 int pd_cuda_attn_decode_tc_max_cluster(const pd_cuda_attn *a, int cc_major);

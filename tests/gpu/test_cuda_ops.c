@@ -682,6 +682,16 @@ static void test_attention(void) {
                    layouts[L][2], 12, dt, 0, l >= 3 ? tol_f32 : tol_tc};
     run_attn(&c);
   }
+  /* power-of-two pages other than 16 and 32: on Hopper the tensor-core kernel's tiles come by
+   * tensor-map copies in boxes of min(page, 64) rows (8 boxes a 64-key tile, one, and a tile
+   * inside a page), the rows past each context NaN */
+  for (int l = 0; l < 6; l++) {
+    static const int pbs[] = {8, 64, 128};
+    const int L = l % 2 ? 1 : 0;
+    attn_case c = {"decode pages of 8 / 64 / 128", S, n_new, ctx, layouts[L][0], layouts[L][1],
+                   layouts[L][2], pbs[l / 2], l % 2 ? PD_DTYPE_F16 : PD_DTYPE_BF16, 0, tol_tc};
+    run_attn(&c);
+  }
   /* many short decodes (no split) */
   S = g_small ? 40 : 200;
   for (int s = 0; s < S; s++) {
