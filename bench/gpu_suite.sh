@@ -65,6 +65,11 @@ run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-l
 step "decode with 1k context, batch 8..256"
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 8,32,128,256 \
   --prompt-len 1024 --decode-tokens 192 --repeat 1
+step "decode, 256 sequences at a mean context of 1k (prompts of 928 tokens, 192 steps)"
+# (the sequences that decode while the last prompts are still prefilled have moved on: over the
+# steps in which all 256 decode, the context averages 1,024 tokens)
+run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 --prompt-len 928 \
+  --decode-tokens 192 --repeat 1
 step "prefill 1k and 8k"
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 1024 \
   --decode-tokens 2 --repeat 3
@@ -84,6 +89,8 @@ step "where a 256 x 1k decode step goes (PD_CUDA_PROFILE=1, eager; M=256 rows)"
 PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 \
   --prompt-len 1024 --decode-tokens 192 --repeat 1 --enforce-eager 2>&1 |
   grep -E "^op |M=256 |seqs=256 tokens=256|sample n=256"
+step "energy of the decode step's kinds of work (pd-bench-cuda --power 2)"
+run "$D/bin/pd-bench-cuda" --power 2
 [ "$quick" = notorch ] && exit 0
 step "PyTorch baselines"
 run timeout 240 python3 bench/torch_baseline.py "$M" --batches 1,32 --budget-s 200
