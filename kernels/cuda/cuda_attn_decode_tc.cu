@@ -86,6 +86,9 @@ template <int HD, typename KT, bool CL, bool P2, bool TMA, bool G8>
 __global__ void __launch_bounds__(kThreads, 3)
     attn_decode_tc_kernel(const pd_cuda_attn a, const __grid_constant__ CUtensorMap tmk,
                           const __grid_constant__ CUtensorMap tmv) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (TMA) __trap(); /* launched only where the code is Hopper's (tma_code_ok) */
+#endif
   using G_ = tc_geom<HD>;
   using T_ = tma_geom<HD>;
   constexpr int LD = G_::LD, CPR = G_::CPR, KS = HD / 16, DT = HD / 8;
@@ -533,22 +536,29 @@ void launch_p2(cudaStream_t st, const pd_cuda_attn *a, const CUtensorMap &tmk,
 
 /* ---- the TMA variant's tensor maps (built per call on the host: no device work) */
 
+/* Whether the TMA variants' device code is Hopper's: a build for sm_80 alone runs its sm_80 code
+ * on Hopper too, and there the tensor-map copies are compiled out. */
+bool tma_code_ok() {
+  cudaFuncAttributes fa;
+  const cudaError_t r = cudaFuncGetAttributes(
+      &fa, (const void *)attn_decode_tc_kernel<128, __nv_bfloat16, false, true, true, true>);
+  if (r != cudaSuccess) cudaGetLastError();
+  return r == cudaSuccess && fa.binaryVersion >= 90;
+}
+
 /* cuTensorMapEncodeTiled through the runtime (no link to the driver library); NULL where the
  * driver lacks it */
 PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
-  static int tried = 0;
-  if (!tried) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void *p = NULL;
     cudaDriverEntryPointQueryResult q;
     if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
                                          &q) == cudaSuccess &&
         q == cudaDriverEntryPointSuccess)
-      fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
-    else
-      cudaGetLastError();
-    tried = 1;
-  }
+      return (PFN_cuTensorMapEncodeTiled_v12000)p;
+    cudaGetLastError();
+    return (PFN_cuTensorMapEncodeTiled_v12000)NULL;
+  }();
   return fn;
 }
 
@@ -632,11 +642,10 @@ int pd_cuda_attn_decode_tc_max_cluster(const pd_cuda_attn *a, int cc_major) {
  * one), caches 16-byte aligned, rows indexable in 32 bits, the driver's tensor-map encoder.
  * PD_CUDA_ATTN_TMA=0 turns it off (a measurement switch). */
 bool pd_cuda_attn_decode_tma_ok(const pd_cuda_attn *a, int cc_major) {
-  static int on = -1;
-  if (on < 0) {
+  static const bool on = [] {
     const char *ev = getenv("PD_CUDA_ATTN_TMA");
-    on = !(ev && !strcmp(ev, "0"));
-  }
+    return !(ev && !strcmp(ev, "0")) && tma_code_ok();
+  }();
   const int bs = a->block_size;
   return on && cc_major >= 9 && pd_cuda_attn_decode_tc_ok(a) && a->head_dim % 64 == 0 &&
          bs >= 8 && bs <= 256 && (bs & (bs - 1)) == 0 && a->window <= 0 &&
