@@ -93,6 +93,20 @@ static void *dalloc(size_t bytes) {
   return p;
 }
 
+/* Copies of an N x K bf16 weight (uniform in +-0.02), 512 MiB or more of them in all (at most
+ * 16): cycling through them, no call finds its weight in L2. */
+static std::vector<void *> weight_copies(int N, int K) {
+  const size_t wb = (size_t)N * K * 2;
+  int copies = (int)((512ull << 20) / wb) + 1;
+  if (copies > 16) copies = 16;
+  std::vector<void *> w(copies);
+  for (int c = 0; c < copies; c++) {
+    w[c] = dalloc(wb);
+    fill_bf16<<<4096, 256, 0, st>>>((__nv_bfloat16 *)w[c], (size_t)N * K, 0.02f, 10 + c);
+  }
+  return w;
+}
+
 /* Mean milliseconds of one call of f over iters calls (after 3 warm-up calls). */
 template <class F> static double time_ms(int iters, F f) {
   cudaEvent_t a, b;
@@ -367,14 +381,8 @@ static int power_main(void) {
                                   {256, 28672, 4096}, {256, 4096, 14336}};
   for (const auto &sh : shapes) {
     const int M = sh[0], N = sh[1], K = sh[2];
-    const size_t wb = (size_t)N * K * 2;
-    int copies = (int)((512ull << 20) / wb) + 1; /* >= 512 MiB cycled: L2 never holds them */
-    if (copies > 16) copies = 16;
-    std::vector<void *> w(copies);
-    for (int c = 0; c < copies; c++) {
-      w[c] = dalloc(wb);
-      fill_bf16<<<4096, 256, 0, st>>>((__nv_bfloat16 *)w[c], (size_t)N * K, 0.02f, 10 + c);
-    }
+    std::vector<void *> w = weight_copies(N, K);
+    const int copies = (int)w.size();
     float *x = (float *)dalloc((size_t)M * K * 4), *y = (float *)dalloc((size_t)M * N * 4);
     fill_f32<<<1024, 256, 0, st>>>(x, (size_t)M * K, 1.0f, 7);
     auto f = [&](int i) { be->ops.matmul(be, y, x, w[i % copies], PD_DTYPE_BF16, NULL, M, N, K); };
@@ -484,13 +492,8 @@ int main(int argc, char **argv) {
   for (int si = 0; si < 6; si++) {
     const int N = shapes[si][0], K = shapes[si][1];
     const size_t wb = (size_t)N * K * 2;
-    int copies = (int)((512ull << 20) / wb) + 1; /* >= 512 MiB cycled: L2 never holds them */
-    if (copies > 16) copies = 16;
-    std::vector<void *> w(copies);
-    for (int c = 0; c < copies; c++) {
-      w[c] = dalloc(wb);
-      fill_bf16<<<4096, 256, 0, st>>>((__nv_bfloat16 *)w[c], (size_t)N * K, 0.02f, 10 + c);
-    }
+    std::vector<void *> w = weight_copies(N, K);
+    const int copies = (int)w.size();
     float *x = (float *)dalloc((size_t)2048 * K * 4), *y = (float *)dalloc((size_t)2048 * N * 4);
     fill_f32<<<1024, 256, 0, st>>>(x, (size_t)2048 * K, 1.0f, 7);
     for (int M : {1, 8}) {
