@@ -65,8 +65,9 @@ template <int HD> struct tc_geom {
  * sits at chunk c ^ (r & 7), so that the fragment loads (ldmatrix, 8 rows at a time) meet no bank
  * conflict. One lane per box issues its copy; the stage's mbarrier counts the bytes. The threads
  * issue no copies and compute no cache addresses: a 64-key tile costs its warps a wait instead
- * of 16 cp.async and their address arithmetic a thread, about a third of the kernel's
- * instructions, and on a board at its power limit instructions are time. */
+ * of 16 cp.async and their address arithmetic a thread (with the page-table lookups about 60% of
+ * the cp.async kernel's instructions), and on a board at its power limit instructions are
+ * time. */
 template <int HD> struct tma_geom {
   static constexpr int NH = HD / 64;              /* 128-byte column halves */
   static constexpr int HALF = BN * 128;           /* bytes of one half of one tile */
