@@ -22,8 +22,10 @@
  * GEMMs, the decode attention, a plain copy, the batch-1 GEMV, the idle GPU) each repeated for
  * SECONDS, with the board's energy counter and SM clock read through NVML (libnvidia-ml, loaded
  * at run time): time per call, mean power, energy per call and the SM clock the power limit left
- * it (WHAT: only the rows whose first column starts so, e.g. "decode"). What a step costs in
+ * it (WHAT: only the rows whose first column starts so, e.g. "decode"; "GEMM algo": instead, the
+ * M = 256 GEMMs through each of cuBLASLt's first 8 heuristic algorithms). What a step costs in
  * joules is what bounds it when the board runs at its power cap. */
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -333,12 +335,87 @@ template <int MODE> __global__ void __launch_bounds__(128) stream_smem(const cha
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
+/* --power S "GEMM algo": the M = 256 GEMMs of Llama-3-8B through each of cuBLASLt's first 8
+ * heuristic algorithms (bf16 operands, f32 accumulation; out in bf16 for gate/up, as the decode
+ * step's GLU product, f32 otherwise), weights cycled out of L2 as above: which algorithm costs
+ * the fewest joules where the board runs at its power limit. Rows only when asked for by name. */
+static void power_gemm_algos(void) {
+  cublasLtHandle_t lt;
+  if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) return;
+  const size_t ws_bytes = (size_t)32 << 20;
+  void *ws = dalloc(ws_bytes);
+  static const int shapes[][3] = {{256, 6144, 4096}, {256, 4096, 4096}, {256, 28672, 4096},
+                                  {256, 4096, 14336}};
+  for (const auto &sh : shapes) {
+    const int M = sh[0], N = sh[1], K = sh[2];
+    const cudaDataType_t yt = N == 28672 ? CUDA_R_16BF : CUDA_R_32F;
+    std::vector<void *> w = weight_copies(N, K);
+    void *x = dalloc((size_t)M * K * 2), *y = dalloc((size_t)M * N * 4);
+    fill_bf16<<<1024, 256, 0, st>>>((__nv_bfloat16 *)x, (size_t)M * K, 1.0f, 7);
+    /* row-major y[M,N] = x[M,K] W[N,K]^T as column-major y^T = op(W) x^T, op = transpose */
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc;
+    const cublasOperation_t tr = CUBLAS_OP_T, nt = CUBLAS_OP_N;
+    cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &tr, sizeof tr);
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof nt);
+    cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, K, N, K);
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, K, M, K);
+    cublasLtMatrixLayoutCreate(&lc, yt, N, M, N);
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                         sizeof ws_bytes);
+    cublasLtMatmulHeuristicResult_t res[8];
+    int n = 0;
+    cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 8, res, &n);
+    for (int i = 0; i < n; i++) {
+      if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > ws_bytes) continue;
+      int id = 0, tile = 0, splitk = 0, stages = 0;
+      size_t got;
+      cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id,
+                                           &got);
+      cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile,
+                                           sizeof tile, &got);
+      cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                           &splitk, sizeof splitk, &got);
+      cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages,
+                                           sizeof stages, &got);
+      const float one = 1.0f, zero = 0.0f;
+      const size_t copies = w.size();
+      auto f = [&](int c) {
+        cublasLtMatmul(lt, op, &one, w[(size_t)c % copies], la, x, lb, &zero, y, lc, y, lc,
+                       &res[i].algo, ws, ws_bytes, st);
+      };
+      char shape[80];
+      snprintf(shape, sizeof shape, "N=%d K=%d #%d id %d tile %d sk %d st %d", N, K, i, id, tile,
+               splitk, stages);
+      power_run("GEMM algo M=256", shape, &f);
+    }
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatmulDescDestroy(op);
+    for (void *p : w) be->ops.free(be, p);
+    be->ops.free(be, x);
+    be->ops.free(be, y);
+  }
+  CK(cudaGetLastError());
+  be->ops.free(be, ws);
+  cublasLtDestroy(lt);
+}
+
 /* --power: the energy table (see the top of the file) */
 static int power_main(void) {
   printf("| %-16s | %-40s | %9s | %7s | %10s | %12s |\n", "what", "shape", "us/call", "W",
          "mJ/call", "SM MHz mean / min");
   printf("|------------------|------------------------------------------|-----------|---------|"
          "------------|-------------------|\n");
+  if (!strncmp(g_power_only, "GEMM algo", 9)) {
+    power_gemm_algos();
+    return 0;
+  }
   power_run<void(int)>("idle", "nothing running", NULL);
   {
     const size_t cb = (size_t)2 << 30;
