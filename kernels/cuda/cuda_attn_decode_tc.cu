@@ -25,8 +25,10 @@
  * 98.4 M -> 37.0 M with the softmax's trims below), and that is energy: the board runs the
  * 256-sequence decode step at its 700 W limit, where the attention alone took 191 mJ a layer and
  * now takes 160 (pd-bench-cuda --power; a plain read of the same bytes costs ~100). G8 (at most 8
- * heads a group, Llama's and Qwen's shapes) skips the padding rows' softmax; every variant
- * rescales O only when a row's maximum moved and masks keys only in a split's last tile. */
+ * heads a group, Llama's and Qwen's shapes; with TMA) puts the keys in the MMAs' M and the heads
+ * in N (S^T = K Q^T, O^T += V^T P^T, P^T's fragments transposed in registers by movmatrix): 8
+ * rows of padding at most instead of 12 to 15, half the MMAs. Every variant rescales O only
+ * when a maximum moved and masks keys only in a split's last tile. */
 #include <math.h>
 
 #include <cooperative_groups.h>
@@ -81,8 +83,8 @@ __device__ __forceinline__ uint32_t tma_off(int r, int c) {
 
 /* P2: the page size is a power of two (shifts and masks; otherwise divisions: instantiated apart,
  * so that the usual kernel carries no division code). TMA: the tiles come by tensor-map copies
- * (see tma_geom; implies P2). G8: at most 8 query heads a group (rows 8-15 of the tile are
- * padding: no softmax for them). */
+ * (see tma_geom; implies P2). G8 (TMA only): at most 8 query heads a group, computed with the
+ * keys as the MMAs' M and the heads as N. */
 template <int HD, typename KT, bool CL, bool P2, bool TMA, bool G8>
 __global__ void __launch_bounds__(kThreads, 3)
     attn_decode_tc_kernel(const pd_cuda_attn a, const __grid_constant__ CUtensorMap tmk,
@@ -95,6 +97,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   constexpr int LD = G_::LD, CPR = G_::CPR, KS = HD / 16, DT = HD / 8;
   static_assert(HD % 16 == 0 && DT % 2 == 0, "head dim must be a multiple of 16");
   static_assert(!TMA || HD % 64 == 0, "the TMA tiles are 64-column halves");
+  static_assert(!G8 || TMA, "keys as M: the TMA tiles' layout");
   extern __shared__ __align__(16) unsigned char smem[];
   KT *tiles = reinterpret_cast<KT *>(smem);
   __shared__ __align__(16) KT sQ[16 * LD];
@@ -249,9 +252,15 @@ __global__ void __launch_bounds__(kThreads, 3)
     qa[ks][3] = pd_lds32(&sQ[(lg + 8) * LD + ks * 16 + lt * 2 + 8]);
   }
 
-  float o[DT][4];
+  /* heads as M (rows lg and lg + 8; mA, lA and mB, lB theirs): O [16 heads x HD] as DT tiles of
+   * 8 columns. G8, keys as M: O^T [HD x 8 heads] as HD / 16 tiles of 16 rows, heads 2 lt and
+   * 2 lt + 1 the lane's columns (mA, lA and mB, lB theirs; l summed over the lane's keys only
+   * until the end) */
+  float o[DT][4], ot[HD / 16][4];
 #pragma unroll
   for (int dt = 0; dt < DT; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < HD / 16; i++) ot[i][0] = ot[i][1] = ot[i][2] = ot[i][3] = 0.0f;
   float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
 
   for (int tile = 0; tile < n_tiles; tile++) {
@@ -287,62 +296,118 @@ __global__ void __launch_bounds__(kThreads, 3)
     const unsigned char *tk = smem + tbase + st * T_::STAGE, *tv = tk + T_::NH * T_::HALF;
     const int kw = warp * 16;                     /* this warp's keys in the tile */
     const int kp0 = kbeg + tile * BN + kw;        /* position of its first key */
+    const bool last = kbeg + tile * BN + BN > kend; /* keys past the context in this tile */
 
-    float sa[2][4];
+    if constexpr (G8) {
+      /* keys as M, heads as N: S^T [16 keys x 8 heads] = K Q^T with K's A fragments by ldmatrix
+       * (matrices: rows 0-7 / 8-15 of chunk 2 ks, then of chunk 2 ks + 1) and Q's B fragments
+       * the rows lg of qa; lane: keys lg (s[0], s[1]) and lg + 8 (s[2], s[3]), heads 2 lt and
+       * 2 lt + 1 */
+      float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const int kr = kw + (lane & 7) + (lane & 8);
 #pragma unroll
-    for (int nt = 0; nt < 2; nt++) {
-      sa[nt][0] = sa[nt][1] = sa[nt][2] = sa[nt][3] = 0.0f;
-      if constexpr (TMA) {
-        /* K's B fragments of two k-steps an ldmatrix: matrices = 16-byte chunks 2ks .. 2ks+3 */
-        const int r = kw + nt * 8 + (lane & 7);
+      for (int ks = 0; ks < KS; ks++) {
+        uint32_t ka[4];
+        pd_ldmatrix_x4(ka, tk + tma_off(kr, 2 * ks + (lane >> 4)));
+        pd_tc<KT>::mma(s4, ka, qa[ks][0], qa[ks][2]);
+      }
+      if (last) {
+        if (kp0 + lg >= kend) s4[0] = s4[1] = -INFINITY;
+        if (kp0 + lg + 8 >= kend) s4[2] = s4[3] = -INFINITY;
+      }
+      /* a head's maximum over the tile's keys: the lane's two, then across lg */
+      float mx0 = fmaxf(s4[0], s4[2]), mx1 = fmaxf(s4[1], s4[3]);
 #pragma unroll
-        for (int ks = 0; ks < KS; ks += 2) {
-          uint32_t kb[4];
-          pd_ldmatrix_x4(kb, tk + tma_off(r, 2 * ks + (lane >> 3)));
-          pd_tc<KT>::mma(sa[nt], qa[ks], kb[0], kb[1]);
-          pd_tc<KT>::mma(sa[nt], qa[ks + 1], kb[2], kb[3]);
-        }
-      } else {
+      for (int off = 4; off < 32; off <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      const float mn0 = fmaxf(mA, mx0), mn1 = fmaxf(mB, mx1);
+      const float mu0 = mn0 == -INFINITY ? 0.0f : mn0, mu1 = mn1 == -INFINITY ? 0.0f : mn1;
+      const float c0 = pd_ex2(mA - mu0), c1 = pd_ex2(mB - mu1);
+      mA = mn0;
+      mB = mn1;
+      s4[0] = pd_ex2(s4[0] - mu0);
+      s4[2] = pd_ex2(s4[2] - mu0);
+      s4[1] = pd_ex2(s4[1] - mu1);
+      s4[3] = pd_ex2(s4[3] - mu1);
+      lA = lA * c0 + (s4[0] + s4[2]);
+      lB = lB * c1 + (s4[1] + s4[3]);
+      /* P^T's B fragments (k = keys 2 lt, 2 lt + 1, n = head lg): the packed 8 x 8 blocks of keys
+       * 0-7 and 8-15, transposed in registers */
+      const uint32_t pb0 = pd_movmatrix_trans(pd_tc<KT>::pack(s4[0], s4[1]));
+      const uint32_t pb1 = pd_movmatrix_trans(pd_tc<KT>::pack(s4[2], s4[3]));
+      if (__any_sync(0xffffffffu, c0 != 1.0f || c1 != 1.0f)) {
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
-          const KT *kr = &sk[(kw + nt * 8 + lg) * LD + ks * 16 + lt * 2];
-          pd_tc<KT>::mma(sa[nt], qa[ks], pd_lds32(kr), pd_lds32(kr + 8));
+        for (int i = 0; i < HD / 16; i++) {
+          ot[i][0] *= c0;
+          ot[i][2] *= c0;
+          ot[i][1] *= c1;
+          ot[i][3] *= c1;
         }
       }
-    }
-    /* the online softmax; G8 (at most 8 heads a group): the tile's rows 8-15 (c[2], c[3]) are
-     * padding and get no arithmetic. Keys past the context only in the last tile. */
-    if (kbeg + tile * BN + BN > kend) {
+      /* O^T [16 dims x 8 heads] += V^T P^T per 16 dims: V^T's A fragments by ldmatrix.trans
+       * (matrices: keys 0-7 of chunks 2 i and 2 i + 1, then keys 8-15) */
+      const int vr = kw + ((lane >> 4) << 3) + (lane & 7);
 #pragma unroll
-      for (int nt = 0; nt < 2; nt++)
+      for (int i = 0; i < HD / 16; i++) {
+        uint32_t va[4];
+        pd_ldmatrix_x4_trans(va, tv + tma_off(vr, 2 * i + ((lane >> 3) & 1)));
+        pd_tc<KT>::mma(ot[i], va, pb0, pb1);
+      }
+    } else {
+      float sa[2][4];
 #pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const bool ok = kp0 + nt * 8 + lt * 2 + e < kend;
-          sa[nt][e] = ok ? sa[nt][e] : -INFINITY;
-          if (!G8) sa[nt][2 + e] = ok ? sa[nt][2 + e] : -INFINITY;
+      for (int nt = 0; nt < 2; nt++) {
+        sa[nt][0] = sa[nt][1] = sa[nt][2] = sa[nt][3] = 0.0f;
+        if constexpr (TMA) {
+          /* K's B fragments of two k-steps an ldmatrix: matrices = 16-byte chunks 2ks .. 2ks+3 */
+          const int r = kw + nt * 8 + (lane & 7);
+#pragma unroll
+          for (int ks = 0; ks < KS; ks += 2) {
+            uint32_t kb[4];
+            pd_ldmatrix_x4(kb, tk + tma_off(r, 2 * ks + (lane >> 3)));
+            pd_tc<KT>::mma(sa[nt], qa[ks], kb[0], kb[1]);
+            pd_tc<KT>::mma(sa[nt], qa[ks + 1], kb[2], kb[3]);
+          }
+        } else {
+#pragma unroll
+          for (int ks = 0; ks < KS; ks++) {
+            const KT *kr = &sk[(kw + nt * 8 + lg) * LD + ks * 16 + lt * 2];
+            pd_tc<KT>::mma(sa[nt], qa[ks], pd_lds32(kr), pd_lds32(kr + 8));
+          }
         }
-    }
-    float mxA = fmaxf(fmaxf(sa[0][0], sa[0][1]), fmaxf(sa[1][0], sa[1][1]));
-    mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
-    mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
-    const float mnA = fmaxf(mA, mxA);
-    const float muA = mnA == -INFINITY ? 0.0f : mnA;
-    const float corrA = pd_ex2(mA - muA);
-    mA = mnA;
-    float corrB = 1.0f;
+      }
+      /* the online softmax; keys past the context only in the last tile */
+      if (last) {
 #pragma unroll
-    for (int nt = 0; nt < 2; nt++) {
-      sa[nt][0] = pd_ex2(sa[nt][0] - muA);
-      sa[nt][1] = pd_ex2(sa[nt][1] - muA);
-    }
-    lA = lA * corrA + (sa[0][0] + sa[0][1]) + (sa[1][0] + sa[1][1]);
-    if (!G8) {
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+          for (int e = 0; e < 2; e++) {
+            const bool ok = kp0 + nt * 8 + lt * 2 + e < kend;
+            sa[nt][e] = ok ? sa[nt][e] : -INFINITY;
+            sa[nt][2 + e] = ok ? sa[nt][2 + e] : -INFINITY;
+          }
+      }
+      float mxA = fmaxf(fmaxf(sa[0][0], sa[0][1]), fmaxf(sa[1][0], sa[1][1]));
+      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+      const float mnA = fmaxf(mA, mxA);
+      const float muA = mnA == -INFINITY ? 0.0f : mnA;
+      const float corrA = pd_ex2(mA - muA);
+      mA = mnA;
+#pragma unroll
+      for (int nt = 0; nt < 2; nt++) {
+        sa[nt][0] = pd_ex2(sa[nt][0] - muA);
+        sa[nt][1] = pd_ex2(sa[nt][1] - muA);
+      }
+      lA = lA * corrA + (sa[0][0] + sa[0][1]) + (sa[1][0] + sa[1][1]);
       float mxB = fmaxf(fmaxf(sa[0][2], sa[0][3]), fmaxf(sa[1][2], sa[1][3]));
       mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
       mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
       const float mnB = fmaxf(mB, mxB);
       const float muB = mnB == -INFINITY ? 0.0f : mnB;
-      corrB = pd_ex2(mB - muB);
+      const float corrB = pd_ex2(mB - muB);
       mB = mnB;
 #pragma unroll
       for (int nt = 0; nt < 2; nt++) {
@@ -350,61 +415,86 @@ __global__ void __launch_bounds__(kThreads, 3)
         sa[nt][3] = pd_ex2(sa[nt][3] - muB);
       }
       lB = lB * corrB + (sa[0][2] + sa[0][3]) + (sa[1][2] + sa[1][3]);
-    }
-    uint32_t pa[4];
-    pa[0] = pd_tc<KT>::pack(sa[0][0], sa[0][1]);
-    pa[1] = G8 ? 0u : pd_tc<KT>::pack(sa[0][2], sa[0][3]);
-    pa[2] = pd_tc<KT>::pack(sa[1][0], sa[1][1]);
-    pa[3] = G8 ? 0u : pd_tc<KT>::pack(sa[1][2], sa[1][3]);
-    /* O rescaled only when a row's maximum moved somewhere in the warp (after the first tiles,
-     * rarely) */
-    if (__any_sync(0xffffffffu, corrA != 1.0f || corrB != 1.0f)) {
+      uint32_t pa[4];
+      pa[0] = pd_tc<KT>::pack(sa[0][0], sa[0][1]);
+      pa[1] = pd_tc<KT>::pack(sa[0][2], sa[0][3]);
+      pa[2] = pd_tc<KT>::pack(sa[1][0], sa[1][1]);
+      pa[3] = pd_tc<KT>::pack(sa[1][2], sa[1][3]);
+      /* O rescaled only when a row's maximum moved somewhere in the warp (after the first tiles,
+       * rarely) */
+      if (__any_sync(0xffffffffu, corrA != 1.0f || corrB != 1.0f)) {
 #pragma unroll
-      for (int dt = 0; dt < DT; dt++) {
-        o[dt][0] *= corrA;
-        o[dt][1] *= corrA;
-        if (!G8) {
+        for (int dt = 0; dt < DT; dt++) {
+          o[dt][0] *= corrA;
+          o[dt][1] *= corrA;
           o[dt][2] *= corrB;
           o[dt][3] *= corrB;
         }
       }
-    }
 #pragma unroll
-    for (int dt = 0; dt < DT; dt += 2) {
-      uint32_t vb[4];
-      if constexpr (TMA)
-        pd_ldmatrix_x4_trans(vb, tv + tma_off(kw + (lane & 15), dt + (lane >> 4)));
-      else
-        pd_ldmatrix_x4_trans(vb, &sv[(kw + (lane & 15)) * LD + dt * 8 + (lane >> 4) * 8]);
-      pd_tc<KT>::mma(o[dt], pa, vb[0], vb[1]);
-      pd_tc<KT>::mma(o[dt + 1], pa, vb[2], vb[3]);
+      for (int dt = 0; dt < DT; dt += 2) {
+        uint32_t vb[4];
+        if constexpr (TMA)
+          pd_ldmatrix_x4_trans(vb, tv + tma_off(kw + (lane & 15), dt + (lane >> 4)));
+        else
+          pd_ldmatrix_x4_trans(vb, &sv[(kw + (lane & 15)) * LD + dt * 8 + (lane >> 4) * 8]);
+        pd_tc<KT>::mma(o[dt], pa, vb[0], vb[1]);
+        pd_tc<KT>::mma(o[dt + 1], pa, vb[2], vb[3]);
+      }
     }
     __syncthreads(); /* the stage is refilled next */
   }
 
   /* merge the 4 warps: O, m, l per row through shared memory (the tiles are done with) */
-  lA += __shfl_xor_sync(0xffffffffu, lA, 1);
-  lA += __shfl_xor_sync(0xffffffffu, lA, 2);
-  lB += __shfl_xor_sync(0xffffffffu, lB, 1);
-  lB += __shfl_xor_sync(0xffffffffu, lB, 2);
   float *sO = reinterpret_cast<float *>(smem);             /* [warp][16][HD] */
   float *sM = sO + kWarps * 16 * HD, *sL = sM + kWarps * 16; /* [warp][16] */
   float *sW = sL + kWarps * 16, *sMx = sW + kWarps * 16, *sDen = sMx + 16;
+  if constexpr (G8) {
 #pragma unroll
-  for (int dt = 0; dt < DT; dt++) { /* the G rows only (the rest are the tile's zero rows) */
-    const int d = dt * 8 + lt * 2;
-    if (lg < G)
-      *reinterpret_cast<float2 *>(&sO[(warp * 16 + lg) * HD + d]) =
-          make_float2(o[dt][0], o[dt][1]);
-    if (lg + 8 < G)
-      *reinterpret_cast<float2 *>(&sO[(warp * 16 + lg + 8) * HD + d]) =
-          make_float2(o[dt][2], o[dt][3]);
-  }
-  if (lt == 0) {
-    sM[warp * 16 + lg] = mA;
-    sM[warp * 16 + lg + 8] = mB;
-    sL[warp * 16 + lg] = lA;
-    sL[warp * 16 + lg + 8] = lB;
+    for (int off = 4; off < 32; off <<= 1) {
+      lA += __shfl_xor_sync(0xffffffffu, lA, off);
+      lB += __shfl_xor_sync(0xffffffffu, lB, off);
+    }
+    const int h0 = 2 * lt, h1 = h0 + 1; /* the G heads only */
+#pragma unroll
+    for (int i = 0; i < HD / 16; i++) {
+      const int d = i * 16 + lg;
+      if (h0 < G) {
+        sO[(warp * 16 + h0) * HD + d] = ot[i][0];
+        sO[(warp * 16 + h0) * HD + d + 8] = ot[i][2];
+      }
+      if (h1 < G) {
+        sO[(warp * 16 + h1) * HD + d] = ot[i][1];
+        sO[(warp * 16 + h1) * HD + d + 8] = ot[i][3];
+      }
+    }
+    if (lg == 0) {
+      sM[warp * 16 + h0] = mA;
+      sM[warp * 16 + h1] = mB;
+      sL[warp * 16 + h0] = lA;
+      sL[warp * 16 + h1] = lB;
+    }
+  } else {
+    lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+    lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+    lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+    lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) { /* the G rows only (the rest are the tile's zero rows) */
+      const int d = dt * 8 + lt * 2;
+      if (lg < G)
+        *reinterpret_cast<float2 *>(&sO[(warp * 16 + lg) * HD + d]) =
+            make_float2(o[dt][0], o[dt][1]);
+      if (lg + 8 < G)
+        *reinterpret_cast<float2 *>(&sO[(warp * 16 + lg + 8) * HD + d]) =
+            make_float2(o[dt][2], o[dt][3]);
+    }
+    if (lt == 0) {
+      sM[warp * 16 + lg] = mA;
+      sM[warp * 16 + lg + 8] = mB;
+      sL[warp * 16 + lg] = lA;
+      sL[warp * 16 + lg + 8] = lB;
+    }
   }
   __syncthreads();
   /* each row's weights 2^(m_w - max) and denominator once, not per element */

@@ -56,6 +56,15 @@ __device__ __forceinline__ void pd_ldmatrix_x4(uint32_t r[4], const void *p) {
                : "r"(addr));
 }
 
+/* An 8x8 b16 matrix held as an accumulator's pairs (lane l: row l / 4, columns 2 (l % 4) and
+ * 2 (l % 4) + 1) transposed in registers, in the same layout: an m16n8k16 result packed to 16
+ * bits becomes a B fragment (sm_75 and later). */
+__device__ __forceinline__ uint32_t pd_movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 /* 2^x, approximate (MUFU.EX2, flush-to-zero; 2^-inf = 0): the softmax exponentials. */
 __device__ __forceinline__ float pd_ex2(float x) {
   float y;

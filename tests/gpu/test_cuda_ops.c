@@ -692,6 +692,14 @@ static void test_attention(void) {
                    layouts[L][2], pbs[l / 2], l % 2 ? PD_DTYPE_F16 : PD_DTYPE_BF16, 0, tol_tc};
     run_attn(&c);
   }
+  /* groups of 1, 2, 5 and 7 heads (Qwen2-7B's): on Hopper the keys-as-M kernel (at most 8 heads a
+   * group, N = 8 of which G are real), its softmax lanes half padding */
+  for (int l = 0; l < 4; l++) {
+    static const int gl[][3] = {{4, 4, 128}, {4, 2, 64}, {10, 2, 128}, {28, 4, 128}};
+    attn_case c = {"decode groups 1/2/5/7", S, n_new, ctx, gl[l][0], gl[l][1], gl[l][2],
+                   l % 2 ? 32 : 16, l % 2 ? PD_DTYPE_F16 : PD_DTYPE_BF16, 0, tol_tc};
+    run_attn(&c);
+  }
   /* many short decodes (no split) */
   S = g_small ? 40 : 200;
   for (int s = 0; s < S; s++) {
