@@ -62,14 +62,16 @@ run "$D/bin/pdctl" make-model --like llama3-8b --tokenizer synthetic --force --o
 step "decode, batch 1 (prompt 128)"
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 128 \
   --decode-tokens 256 --repeat 2
+# (best of 2 runs: the second replays the graphs the first recorded, as a server's steps do; a
+# run's first steps of each shape record one, ~0.1 s each)
 step "decode with 1k context, batch 8..256"
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 8,32,128,256 \
-  --prompt-len 1024 --decode-tokens 192 --repeat 1
+  --prompt-len 1024 --decode-tokens 192 --repeat 2
 step "decode, 256 sequences at a mean context of 1k (prompts of 928 tokens, 192 steps)"
 # (the sequences that decode while the last prompts are still prefilled have moved on: over the
 # steps in which all 256 decode, the context averages 1,024 tokens)
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 --prompt-len 928 \
-  --decode-tokens 192 --repeat 1
+  --decode-tokens 192 --repeat 2
 step "prefill 1k and 8k"
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 1024 \
   --decode-tokens 2 --repeat 3
@@ -83,8 +85,13 @@ PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batc
   --prompt-len 128 --decode-tokens 64 --repeat 1 --enforce-eager 2>&1 | head -18
 step "a batch-1 step with graphs: the replay's GPU time against the step's (PD_CUDA_PROFILE=1)"
 PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 \
-  --prompt-len 128 --decode-tokens 256 --repeat 1 2>&1 | grep -E "graph replay|sample|ms/step|^ +1 "
+  --prompt-len 128 --decode-tokens 256 --repeat 1 2>&1 |
+  grep -E "graph replay|sample|ms/step|^ +1 |^graph +[0-9] |launch =|clock against"
 # (enough decode tokens that the last prompts are in before the first sequences finish)
+step "a 256 x 1k step with graphs on the GPU's clock (PD_CUDA_PROFILE=1): launch, replay, sampling, host"
+PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 \
+  --prompt-len 928 --decode-tokens 192 --repeat 2 2>&1 |
+  grep -E "^graph +[0-9] |launch =|clock against|^ +256 "
 step "where a 256 x 1k decode step goes (PD_CUDA_PROFILE=1, eager; M=256 rows)"
 PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 \
   --prompt-len 1024 --decode-tokens 192 --repeat 1 --enforce-eager 2>&1 |

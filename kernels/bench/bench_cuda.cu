@@ -613,6 +613,16 @@ int main(int argc, char **argv) {
       double gbs = bytes / (us * 1e-6) / 1e9;
       row("decode attn", shape, us, "GB/s", gbs, 100.0 * gbs / copy_gbs);
     }
+    /* the same 256 x 1k by page size (--block-size): a page holds one head's rows contiguously
+     * (16 tokens x 256 bytes at 16), so the page size sets how long the runs the KV reads
+     * stream are */
+    for (int bs = 16; bs <= 256; bs *= 2) {
+      double us = attn_case(256, 1, 1024, 32, 8, 128, bs, PD_DTYPE_BF16, &bytes);
+      char shape[80];
+      snprintf(shape, sizeof shape, "256 seqs x 1024 ctx, bf16, pages of %d", bs);
+      double gbs = bytes / (us * 1e-6) / 1e9;
+      row("decode attn", shape, us, "GB/s", gbs, 100.0 * gbs / copy_gbs);
+    }
   }
   /* ---- prefill attention */
   {

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cuda_state.h"
 
@@ -24,8 +25,37 @@ struct prof_key {
   long long calls;
 };
 
+/* Graph replays on the GPU's own clock (%globaltimer, ns): a stamp before each launch (outside
+ * the graph), the recorded graph's first and last nodes (stamps captured with it), and one after
+ * the sampling that follows; read at the next sync. Per graph: the launch's latency (stamp 0 to
+ * the first node), the replay's span, from its end to the sampling's end, and the host's part
+ * (the previous replay's sampling end to this launch's stamp). */
+enum { kStampLaunch, kStampFirst, kStampLast, kStampSample, kStamps };
+constexpr int kMaxGraphs = 128;
+struct graph_times {
+  long long n;
+  double launch_us, span_us, tail_us, host_us;
+  long long n_host;
+};
+
+__global__ void stamp_kernel(unsigned long long *p) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  *p = t;
+}
+
 struct prof_state {
   pd_backend_ops orig;
+  unsigned long long *d_stamps; /* [kStamps] on the device; NULL: no graph timing */
+  int replay_graph;             /* the graph launched since the last sync, or -1 */
+  bool sampled;                 /* its sampling stamped */
+  unsigned long long prev_sample; /* the last replay's sampling end (0: none) */
+  long long ops_since_sample;     /* ops timed since then (any: no host gap to measure) */
+  /* the first and the latest stamp read, on the GPU's clock and the host's (a check that the
+   * two clocks agree) */
+  unsigned long long gpu0, gpu1;
+  double host0, host1;
+  graph_times gt[kMaxGraphs];
   cudaEvent_t ev[2 * kMaxPending];
   int key_of[kMaxPending];
   int n_pending;
@@ -69,6 +99,7 @@ int begin(pd_backend *be) {
     cudaStreamSynchronize(c->st);
     flush(c);
   }
+  g_prof->ops_since_sample++;
   int i = g_prof->n_pending++; /* reserved now: ops may nest (matmul_glu calls matmul) */
   g_prof->key_of[i] = -1;
   cudaEventRecord(g_prof->ev[2 * i], c->st);
@@ -88,9 +119,59 @@ void end(pd_backend *be, int i, const char *fmt, ...) {
   g_prof->key_of[i] = key_index(name);
 }
 
+void stamp(pd_backend *be, int slot) {
+  if (!g_prof->d_stamps) return;
+  stamp_kernel<<<1, 1, 0, impl_of(be)->st>>>(g_prof->d_stamps + slot);
+}
+
+/* the stamps of the replay since the last sync, if any (after the sync) */
+void read_stamps() {
+  const int g = g_prof->replay_graph;
+  g_prof->replay_graph = -1;
+  if (g < 0 || !g_prof->d_stamps) return;
+  unsigned long long t[kStamps];
+  if (cudaMemcpy(t, g_prof->d_stamps, sizeof t, cudaMemcpyDeviceToHost) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  const double now = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+  if (!g_prof->gpu0) {
+    g_prof->gpu0 = t[kStampLast];
+    g_prof->host0 = now;
+  }
+  g_prof->gpu1 = t[kStampLast];
+  g_prof->host1 = now;
+  graph_times *x = &g_prof->gt[g];
+  x->n++;
+  x->launch_us += (double)(t[kStampFirst] - t[kStampLaunch]) * 1e-3;
+  x->span_us += (double)(t[kStampLast] - t[kStampFirst]) * 1e-3;
+  if (g_prof->sampled) x->tail_us += (double)(t[kStampSample] - t[kStampLast]) * 1e-3;
+  if (g_prof->prev_sample && t[kStampLaunch] > g_prof->prev_sample) {
+    x->host_us += (double)(t[kStampLaunch] - g_prof->prev_sample) * 1e-3;
+    x->n_host++;
+  }
+  g_prof->prev_sample = g_prof->sampled ? t[kStampSample] : 0;
+  g_prof->sampled = false;
+}
+
 void p_sync(pd_backend *be) {
   g_prof->orig.sync(be);
-  if (be == g_prof_be) flush(impl_of(be));
+  if (be == g_prof_be) {
+    flush(impl_of(be));
+    read_stamps();
+  }
+}
+
+bool p_capture_begin(pd_backend *be) {
+  const bool ok = g_prof->orig.capture_begin(be);
+  if (ok && be == g_prof_be) stamp(be, kStampFirst);
+  return ok;
+}
+void *p_capture_end(pd_backend *be) {
+  if (be == g_prof_be && impl_of(be)->capturing) stamp(be, kStampLast);
+  return g_prof->orig.capture_end(be);
 }
 
 void p_matmul(pd_backend *be, float *y, const float *x, const void *w, pd_dtype wdt,
@@ -182,15 +263,31 @@ void p_sample(pd_backend *be, pd_dev_sample_out *out, const float *logits, int v
   int i = begin(be);
   g_prof->orig.sample(be, out, logits, vocab, specs, n, edits, n_edits);
   end(be, i, "sample n=%d (with its copies)", n);
+  if (be == g_prof_be && g_prof->replay_graph >= 0) {
+    stamp(be, kStampSample);
+    g_prof->sampled = true;
+    g_prof->ops_since_sample = 0;
+  }
 }
 
 /* A replay's GPU time, from its launch to its end on the stream: with the step's wall time
  * (pdctl bench-model's ms/step) it tells how much of a step is outside the graph (sampling,
  * copies, host work). */
 bool p_graph_launch(pd_backend *be, void *graph) {
+  /* each recorded graph (a batch size and table width) apart, numbered by first replay */
+  static void *seen[128];
+  static int n_seen;
+  int g = 0;
+  while (g < n_seen && seen[g] != graph) g++;
+  if (g == n_seen && n_seen < 128) seen[n_seen++] = graph;
+  if (be == g_prof_be) {
+    if (g_prof->ops_since_sample > 0) g_prof->prev_sample = 0; /* other work came between */
+    stamp(be, kStampLaunch);
+  }
   int i = begin(be);
   const bool ok = g_prof->orig.graph_launch(be, graph);
-  end(be, i, "graph replay");
+  end(be, i, "graph replay (graph %d)", g);
+  if (be == g_prof_be && g < kMaxGraphs) g_prof->replay_graph = g;
   return ok;
 }
 
@@ -219,7 +316,28 @@ void pd_cuda_profile_report(pd_backend *be) {
     fprintf(stderr, "%-52s %10lld %10.2f %10.2f %6.1f\n", k->name, k->calls, k->ms,
             1e3 * k->ms / (double)(k->calls ? k->calls : 1), 100.0 * k->ms / total);
   }
+  bool head = false;
+  for (int g = 0; g < kMaxGraphs; g++) {
+    const graph_times *x = &g_prof->gt[g];
+    if (x->n < 5) continue;
+    if (!head)
+      fprintf(stderr, "\nPD_CUDA_PROFILE: graph replays on the GPU's clock (us, means): launch = "
+                      "from a stamp just before cudaGraphLaunch to the graph's first node; span = "
+                      "first to last node; tail = to the sampling's end; host = from the previous "
+                      "replay's sampling end to this launch's stamp, over the replays that followed "
+                      "one directly\n%-10s %8s %10s %10s %10s %10s %8s\n",
+              "graph", "replays", "launch", "span", "tail", "host", "of");
+    head = true;
+    fprintf(stderr, "graph %-4d %8lld %10.1f %10.1f %10.1f %10.1f %8lld\n", g, x->n,
+            x->launch_us / (double)x->n, x->span_us / (double)x->n, x->tail_us / (double)x->n,
+            x->n_host ? x->host_us / (double)x->n_host : 0.0, x->n_host);
+  }
+  if (head && g_prof->host1 > g_prof->host0 + 1.0)
+    fprintf(stderr, "(the GPU's clock against the host's over %.1f s of replays: x %.4f)\n",
+            g_prof->host1 - g_prof->host0,
+            (double)(g_prof->gpu1 - g_prof->gpu0) * 1e-9 / (g_prof->host1 - g_prof->host0));
   for (int i = 0; i < 2 * kMaxPending; i++) cudaEventDestroy(g_prof->ev[i]);
+  if (g_prof->d_stamps) cudaFree(g_prof->d_stamps);
   free(g_prof);
   g_prof = NULL;
   g_prof_be = NULL;
@@ -238,6 +356,11 @@ void pd_cuda_profile_wrap(pd_backend *be) {
       return;
     }
   p->orig = be->ops;
+  p->replay_graph = -1;
+  if (cudaMalloc(&p->d_stamps, kStamps * sizeof(unsigned long long)) != cudaSuccess) {
+    cudaGetLastError();
+    p->d_stamps = NULL;
+  }
   g_prof = p;
   g_prof_be = be;
   be->ops.sync = p_sync;
@@ -257,4 +380,6 @@ void pd_cuda_profile_wrap(pd_backend *be) {
   if (be->ops.matmul_fused) be->ops.matmul_fused = p_matmul_fused;
   if (be->ops.embed_fused) be->ops.embed_fused = p_embed_fused;
   if (be->ops.graph_launch) be->ops.graph_launch = p_graph_launch;
+  if (be->ops.capture_begin) be->ops.capture_begin = p_capture_begin;
+  if (be->ops.capture_end) be->ops.capture_end = p_capture_end;
 }
