@@ -5,7 +5,9 @@
  *   prefill tok/s: B * prompt_len / (time until every request has its first token)
  *   decode tok/s:  over the steps in which every one of the B sequences decoded a token (pure
  *                  decode at concurrency B): their tokens / their time; 0 when no step had all
- *                  B decoding (raise --decode-tokens so decodes outlast the staggered prefill)
+ *                  B decoding (raise --decode-tokens so decodes outlast the staggered prefill).
+ *                  A step in which a sequence got its first token ran that prompt's last prefill
+ *                  chunk too: not a decode step, even where the others all decoded
  *   total tok/s:   all generated tokens / the whole run (offline throughput)
  * Best of --repeat runs. Prefix caching is off so repeated runs measure real work. */
 #include <cjson/cJSON.h>
@@ -78,9 +80,11 @@ static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int r
     uint64_t full_tokens = 0, full_steps = 0;
     while (pd_sched_has_work(rt.sched)) {
       uint64_t before = cnt.generated;
+      const int firsts = cnt.n_first;
       double ts = pdctl_now(), fs = pd_engine_forward_seconds(rt.eng);
       if (pd_sched_step(rt.sched, &e) != PD_OK) return pdctl_fail("%s", e.msg);
-      if (cnt.generated - before == (uint64_t)batch) { /* all B decoded in this step */
+      /* all B decoded in this step, and none of them got its first token (from a prefill) */
+      if (cnt.generated - before == (uint64_t)batch && cnt.n_first == firsts) {
         full_time += pdctl_now() - ts;
         full_engine += pd_engine_forward_seconds(rt.eng) - fs;
         full_tokens += (uint64_t)batch;
