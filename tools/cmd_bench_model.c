@@ -9,6 +9,7 @@
  *                  A step in which a sequence got its first token ran that prompt's last prefill
  *                  chunk too: not a decode step, even where the others all decoded
  *   total tok/s:   all generated tokens / the whole run (offline throughput)
+ *   steps:         the decode steps counted (in the run whose decode tok/s is reported)
  * Best of --repeat runs. Prefix caching is off so repeated runs measure real work. */
 #include <cjson/cJSON.h>
 #include <stdio.h>
@@ -21,6 +22,7 @@
 typedef struct result {
   int batch;
   double prefill_tps, decode_tps, total_tps, step_ms, engine_ms;
+  long long decode_steps; /* the decode steps behind decode_tps (its run's) */
 } result;
 
 typedef struct counter {
@@ -101,6 +103,7 @@ static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int r
       out->decode_tps = d;
       out->step_ms = 1e3 * full_time / (double)full_steps;
       out->engine_ms = 1e3 * full_engine / (double)full_steps;
+      out->decode_steps = (long long)full_steps;
     }
     if (tot > out->total_tps) out->total_tps = tot;
   }
@@ -144,8 +147,8 @@ int cmd_bench_model(int argc, char **argv) {
   cJSON *arr = cJSON_CreateArray();
   const char *isa = "?";
   if (!json)
-    printf("%8s %15s %15s %15s %10s %10s\n", "batch", "prefill tok/s", "decode tok/s",
-           "total tok/s", "ms/step", "engine ms");
+    printf("%8s %15s %15s %15s %10s %10s %7s\n", "batch", "prefill tok/s", "decode tok/s",
+           "total tok/s", "ms/step", "engine ms", "steps");
   for (size_t i = 0; i < nb; i++) {
     if (bl[i] < 1) return pdctl_fail("--batch values must be positive");
     result res;
@@ -158,10 +161,11 @@ int cmd_bench_model(int argc, char **argv) {
       cJSON_AddNumberToObject(o, "total_tokens_per_s", res.total_tps);
       cJSON_AddNumberToObject(o, "decode_ms_per_step", res.step_ms);
       cJSON_AddNumberToObject(o, "decode_engine_ms_per_step", res.engine_ms);
+      cJSON_AddNumberToObject(o, "decode_steps", (double)res.decode_steps);
       cJSON_AddItemToArray(arr, o);
     } else {
-      printf("%8d %15.0f %15.0f %15.0f %10.3f %10.3f\n", res.batch, res.prefill_tps,
-             res.decode_tps, res.total_tps, res.step_ms, res.engine_ms);
+      printf("%8d %15.0f %15.0f %15.0f %10.3f %10.3f %7lld\n", res.batch, res.prefill_tps,
+             res.decode_tps, res.total_tps, res.step_ms, res.engine_ms, res.decode_steps);
       fflush(stdout);
     }
   }

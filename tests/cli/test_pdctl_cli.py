@@ -130,6 +130,23 @@ with tempfile.TemporaryDirectory() as tmp:
               for ch in res[3]["choices"]), "logprobs with 2 alternatives")
     check(res[4]["usage"]["prompt_tokens"] > 0 and "text" in res[4], "chat line")
 
+# bench-model: decode tok/s over decode steps only. A step in which a sequence gets its first
+# token ran its prompt's last prefill chunk, so it is not counted even where every other
+# sequence decoded in it. With every prompt in the first step that leaves decode-tokens - 1
+# steps; with a 20-token budget the second prompt's last chunk comes in step 2 beside the first
+# sequence's decode, and of the 6 steps in which the first sequence generates, steps 3-6 count.
+for batch, gen, extra, want in ((1, 2, [], 1), (2, 4, [], 3), (3, 6, [], 5),
+                                (2, 6, ["--max-batch-tokens", "20"], 4)):
+    r = pdctl("bench-model", "--model", MODEL, "--batch", str(batch), "--prompt-len", "16",
+              "--decode-tokens", str(gen), "--repeat", "1", "--json", *extra)
+    res = json.loads(r.stdout)["results"][0] if r.returncode == 0 else {}
+    check(res.get("decode_steps") == want and res.get("decode_tokens_per_s", 0) > 0 and
+          res.get("decode_ms_per_step", 0) > 0,
+          "bench-model batch %d, %d tokens %s: %d decode steps: %r %s" %
+          (batch, gen, extra, want, res, r.stderr))
+r = pdctl("bench-model", "--model", MODEL, "--decode-tokens", "1")
+check(r.returncode != 0 and "decode-tokens" in r.stderr, "bench-model rejects 1 token")
+
 # devices: the CPU kernel family and the CUDA device count (what GPU tests skip on)
 r = pdctl("devices", "--json")
 dev = json.loads(r.stdout) if r.returncode == 0 else {}
