@@ -35,7 +35,7 @@ constexpr int kMaxGraphs = 128;
 struct graph_times {
   long long n;
   double launch_us, span_us, tail_us, host_us;
-  long long n_host;
+  long long n_tail, n_host; /* replays followed by a sampling / following one directly */
 };
 
 __global__ void stamp_kernel(unsigned long long *p) {
@@ -147,7 +147,10 @@ void read_stamps() {
   x->n++;
   x->launch_us += (double)(t[kStampFirst] - t[kStampLaunch]) * 1e-3;
   x->span_us += (double)(t[kStampLast] - t[kStampFirst]) * 1e-3;
-  if (g_prof->sampled) x->tail_us += (double)(t[kStampSample] - t[kStampLast]) * 1e-3;
+  if (g_prof->sampled) {
+    x->tail_us += (double)(t[kStampSample] - t[kStampLast]) * 1e-3;
+    x->n_tail++;
+  }
   if (g_prof->prev_sample && t[kStampLaunch] > g_prof->prev_sample) {
     x->host_us += (double)(t[kStampLaunch] - g_prof->prev_sample) * 1e-3;
     x->n_host++;
@@ -274,12 +277,14 @@ void p_sample(pd_backend *be, pd_dev_sample_out *out, const float *logits, int v
  * (pdctl bench-model's ms/step) it tells how much of a step is outside the graph (sampling,
  * copies, host work). */
 bool p_graph_launch(pd_backend *be, void *graph) {
-  /* each recorded graph (a batch size and table width) apart, numbered by first replay */
-  static void *seen[128];
+  /* each recorded graph (a batch size and table width) apart, numbered by first replay (a
+   * graph freed and another recorded at its address would share its number; past kMaxGraphs
+   * graphs, the rest share one number and get no GPU-clock stamps) */
+  static void *seen[kMaxGraphs];
   static int n_seen;
   int g = 0;
   while (g < n_seen && seen[g] != graph) g++;
-  if (g == n_seen && n_seen < 128) seen[n_seen++] = graph;
+  if (g == n_seen && n_seen < kMaxGraphs) seen[n_seen++] = graph;
   if (be == g_prof_be) {
     if (g_prof->ops_since_sample > 0) g_prof->prev_sample = 0; /* other work came between */
     stamp(be, kStampLaunch);
@@ -329,7 +334,8 @@ void pd_cuda_profile_report(pd_backend *be) {
               "graph", "replays", "launch", "span", "tail", "host", "of");
     head = true;
     fprintf(stderr, "graph %-4d %8lld %10.1f %10.1f %10.1f %10.1f %8lld\n", g, x->n,
-            x->launch_us / (double)x->n, x->span_us / (double)x->n, x->tail_us / (double)x->n,
+            x->launch_us / (double)x->n, x->span_us / (double)x->n,
+            x->n_tail ? x->tail_us / (double)x->n_tail : 0.0,
             x->n_host ? x->host_us / (double)x->n_host : 0.0, x->n_host);
   }
   if (head && g_prof->host1 > g_prof->host0 + 1.0)
