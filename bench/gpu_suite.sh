@@ -86,12 +86,12 @@ PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batc
 step "a batch-1 step with graphs: the replay's GPU time against the step's (PD_CUDA_PROFILE=1)"
 PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 \
   --prompt-len 128 --decode-tokens 256 --repeat 1 2>&1 |
-  grep -E "graph replay|sample|ms/step|^ +1 |^graph +[0-9] |launch =|clock against"
+  grep -E "graph replay|sample|ms/step|^ +1 |^graph +[0-9]+ |launch =|clock against"
 # (enough decode tokens that the last prompts are in before the first sequences finish)
 step "a 256 x 1k step with graphs on the GPU's clock (PD_CUDA_PROFILE=1): launch, replay, sampling, host"
 PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 \
   --prompt-len 928 --decode-tokens 192 --repeat 2 2>&1 |
-  grep -E "^graph +[0-9] |launch =|clock against|^ +256 "
+  grep -E "^graph +[0-9]+ |launch =|clock against|^ +256 "
 step "where a 256 x 1k decode step goes (PD_CUDA_PROFILE=1, eager; M=256 rows)"
 PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 \
   --prompt-len 1024 --decode-tokens 192 --repeat 1 --enforce-eager 2>&1 |
