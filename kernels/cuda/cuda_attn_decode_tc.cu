@@ -389,32 +389,25 @@ __global__ void __launch_bounds__(kThreads, 3)
             sa[nt][2 + e] = ok ? sa[nt][2 + e] : -INFINITY;
           }
       }
-      float mxA = fmaxf(fmaxf(sa[0][0], sa[0][1]), fmaxf(sa[1][0], sa[1][1]));
-      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
-      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
-      const float mnA = fmaxf(mA, mxA);
-      const float muA = mnA == -INFINITY ? 0.0f : mnA;
-      const float corrA = pd_ex2(mA - muA);
-      mA = mnA;
+      /* a row's online softmax over the tile: its elements e, e + 1 of both n-tiles (row lg:
+       * e = 0, row lg + 8: e = 2), the maximum across the quad; returns O's rescaling */
+      auto row_softmax = [&](const int e, float &m, float &l) {
+        float mx = fmaxf(fmaxf(sa[0][e], sa[0][e + 1]), fmaxf(sa[1][e], sa[1][e + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m, mx);
+        const float mu = mn == -INFINITY ? 0.0f : mn;
+        const float corr = pd_ex2(m - mu);
+        m = mn;
 #pragma unroll
-      for (int nt = 0; nt < 2; nt++) {
-        sa[nt][0] = pd_ex2(sa[nt][0] - muA);
-        sa[nt][1] = pd_ex2(sa[nt][1] - muA);
-      }
-      lA = lA * corrA + (sa[0][0] + sa[0][1]) + (sa[1][0] + sa[1][1]);
-      float mxB = fmaxf(fmaxf(sa[0][2], sa[0][3]), fmaxf(sa[1][2], sa[1][3]));
-      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
-      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-      const float mnB = fmaxf(mB, mxB);
-      const float muB = mnB == -INFINITY ? 0.0f : mnB;
-      const float corrB = pd_ex2(mB - muB);
-      mB = mnB;
-#pragma unroll
-      for (int nt = 0; nt < 2; nt++) {
-        sa[nt][2] = pd_ex2(sa[nt][2] - muB);
-        sa[nt][3] = pd_ex2(sa[nt][3] - muB);
-      }
-      lB = lB * corrB + (sa[0][2] + sa[0][3]) + (sa[1][2] + sa[1][3]);
+        for (int nt = 0; nt < 2; nt++) {
+          sa[nt][e] = pd_ex2(sa[nt][e] - mu);
+          sa[nt][e + 1] = pd_ex2(sa[nt][e + 1] - mu);
+        }
+        l = l * corr + (sa[0][e] + sa[0][e + 1]) + (sa[1][e] + sa[1][e + 1]);
+        return corr;
+      };
+      const float corrA = row_softmax(0, mA, lA), corrB = row_softmax(2, mB, lB);
       uint32_t pa[4];
       pa[0] = pd_tc<KT>::pack(sa[0][0], sa[0][1]);
       pa[1] = pd_tc<KT>::pack(sa[0][2], sa[0][3]);
