@@ -485,7 +485,7 @@ static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int
     be->ops.attention(be, g->attn, g->q, &L->kv, &g->kvs, &ab, g->nq, scale, L->window);
     const pd_mm_fused o = {.y = g->x, .x = g->attn, .w = L->wo, .wdt = W->wo.dtype, .bias = L->bo,
                            .M = M, .N = D, .K = qd, .epilogue = PD_MM_ACCUMULATE,
-                           .norm_next = L->ffn_norm, .xg = g->xg};
+                           .norm_next = L->ffn_norm, .eps = eps, .xg = g->xg};
     be->ops.matmul_fused(be, &o);
     const pd_mm_fused gu = {.y = g->act, .x = g->x, .w = L->wgu, .wdt = W->w_gate.dtype,
                             .bias = L->bgu, .M = M, .N = 2 * F, .K = D, .norm_w = L->ffn_norm,
@@ -500,7 +500,7 @@ static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int
     const pd_mm_fused down = {
         .y = g->x, .x = g->act, .w = L->wdown, .wdt = W->w_down.dtype, .bias = L->bdown,
         .M = M, .N = D, .K = F, .epilogue = PD_MM_ACCUMULATE, .norm_next = norm_next,
-        .xg = g->xg};
+        .eps = eps, .xg = g->xg};
     be->ops.matmul_fused(be, &down);
   }
   if (all_rows) {

@@ -266,7 +266,7 @@ static void matmul_impl(cuda_impl *c, float *y, const float *x, const void *w, p
                         CUDA_R_32F, K, &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F_FAST_TF32,
                         CUBLAS_GEMM_DEFAULT));
   } else {
-    c->h16_valid = false; /* xconv is rewritten */
+    c->h16_valid = c->n16_valid = false; /* xconv is rewritten */
     grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
     pd_cuda_convert(c->st, c->xconv, wdt, x, (size_t)M * K);
     CK_LAUNCH(c, "convert x");
@@ -428,6 +428,56 @@ void cu_matmul_glu(pd_backend *be, float *act, float *gu, const float *x, const 
   CK_LAUNCH(c, "swiglu");
 }
 
+/* A residual GEMM whose next GEMM norms its output (pd_mm_fused.norm_next, eps, 16-bit weights,
+ * M above the GEMV rows): the product goes to a scratch of partial sums (its K halves as a
+ * batched GEMM where K >= 8192: cuBLAS's own split-K would add a reduce kernel of its own), and
+ * one kernel adds them and the bias to y and writes the RMSNorm of the new y in 16 bits into
+ * xconv, which the next matmul_fused takes as its operand (n16_*) instead of norming y again:
+ * one kernel where cuBLAS's reduce and the norm were two. PD_CUDA_RESID_NORM=0 turns it off (a
+ * measurement switch). */
+static int resid_splits(int K) { return K >= 8192 && K % 16 == 0 ? 2 : 1; }
+
+static bool resid_norm_ok(cuda_impl *c, const pd_mm_fused *p, int M, int N, int K) {
+  static int on = -1;
+  if (on < 0) {
+    const char *ev = getenv("PD_CUDA_RESID_NORM");
+    on = !(ev && !strcmp(ev, "0"));
+  }
+  const size_t ws = (size_t)resid_splits(K) * M * N * sizeof(float);
+  return on && K > 0 && p->norm_next && p->eps > 0.0f && fuse_norm_on() &&
+         pd_cuda_rmsnorm16_ok(p->y, p->norm_next, N) &&
+         (!p->bias || ((uintptr_t)p->bias & 15) == 0) && c->xconv_size >= (size_t)M * N * 2 &&
+         (!c->capturing || c->acc_ws_size >= ws); /* (a capture cannot grow the scratch) */
+}
+
+static void resid_norm(cuda_impl *c, const pd_mm_fused *p, const void *x16, int M, int N,
+                       int K) {
+  const int splits = resid_splits(K);
+  grow(c, reinterpret_cast<void **>(&c->acc_ws), &c->acc_ws_size,
+       (size_t)splits * M * N * sizeof(float));
+  if (splits == 1) {
+    gemm16(c, c->acc_ws, CUDA_R_32F, x16, p->w, p->wdt, M, N, K, 0.0f);
+  } else {
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType_t t = p->wdt == PD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const int kh = K / 2;
+    CKB(c, cublasGemmStridedBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, kh, &one, p->w, t,
+                                      K, kh, x16, t, K, kh, &zero, c->acc_ws, CUDA_R_32F, N,
+                                      (long long)M * N, splits, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT));
+  }
+  pd_cuda_add_rmsnorm16(c->st, c->xconv, p->wdt, p->y, c->acc_ws, splits, (size_t)M * N, p->bias,
+                        p->norm_next, p->eps, M, N);
+  CK_LAUNCH(c, "residual add + rmsnorm (16-bit out)");
+  c->n16_valid = true;
+  c->n16_y = p->y;
+  c->n16_g = p->norm_next;
+  c->n16_eps = p->eps;
+  c->n16_M = M;
+  c->n16_K = N;
+  c->n16_dt = p->wdt;
+}
+
 /* Decode rows (M <= 2) run as one GEMV kernel with the epilogue inside, and the RMSNorm
  * hand-off (see pd_cuda_gemv_pre) between them, so that a decode layer is five GEMV kernels and
  * the attention; where there is no hand-off (the first layer, the LM head) the norm runs as its
@@ -452,6 +502,11 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
   /* the 16-bit GLU product the previous call left instead of writing its y, if x is that y */
   bool h16_in = c->h16_valid && c->h16_y == p->x && c->h16_M == M && c->h16_K == K;
   c->h16_valid = false;
+  /* the normed 16-bit operand the previous residual GEMM left, if it is this one's */
+  const bool n16_in = c->n16_valid && p->norm_w && c->n16_g == p->norm_w && c->n16_y == p->x &&
+                      c->n16_M == M && c->n16_K == K && c->n16_eps == p->eps &&
+                      c->n16_dt == p->wdt;
+  c->n16_valid = false;
   if (M == 0 || N == 0) return;
   use_device(c);
   const bool w16 = p->wdt != PD_DTYPE_F32 && K > 0 && M > gemv_max_m();
@@ -506,7 +561,8 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
    * directly), and the GLU's gate/up product stays 16-bit (cuBLAS writes bf16/f16 into gu, the
    * SwiGLU kernel reads it): half the traffic of f32 intermediates. */
   const float *x = p->x;
-  const void *x16 = h16_in ? c->xconv : NULL;
+  /* (n16_in: the operand is already normed) */
+  const void *x16 = h16_in || (n16_in && w16) ? c->xconv : NULL;
   /* PD_MM_GLU with y_scratch and 16-bit weights: the SwiGLU writes the next GEMM's operand
    * (into xconv, after this product has read it) instead of y: a quarter of the traffic of f32
    * out and a conversion (PD_CUDA_GLU_HANDOFF=0 turns it off: a measurement switch) */
@@ -515,11 +571,12 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
     const char *ev = getenv("PD_CUDA_GLU_HANDOFF");
     glu_ho = !(ev && !strcmp(ev, "0"));
   }
-  const bool h16_out = glu_ho && p->epilogue == PD_MM_GLU && p->y_scratch && w16 && !x16;
-  if (h16_out) {
-    const size_t cols = (size_t)(K > N / 2 ? K : N / 2);
-    grow(c, &c->xconv, &c->xconv_size, (size_t)M * cols * 2);
-  }
+  /* (its operand may be xconv itself, the normed hand-off, where xconv needs no growing: the
+   * SwiGLU writes it after the product has read it) */
+  const size_t h16_bytes = (size_t)M * (size_t)(K > N / 2 ? K : N / 2) * 2;
+  const bool h16_out = glu_ho && p->epilogue == PD_MM_GLU && p->y_scratch && w16 &&
+                       (!x16 || c->xconv_size >= h16_bytes);
+  if (h16_out) grow(c, &c->xconv, &c->xconv_size, h16_bytes);
   if (x16) {
     /* the hand-off is the operand */
   } else if (p->norm_w && w16 && pd_cuda_rmsnorm16_ok(p->x, p->norm_w, K)) {
@@ -560,6 +617,10 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
   default: {
     float *y = p->y;
     const bool acc = p->epilogue == PD_MM_ACCUMULATE;
+    if (x16 && acc && resid_norm_ok(c, p, M, N, K)) {
+      resid_norm(c, p, x16, M, N, K);
+      break;
+    }
     if (x16) {
       gemm16(c, y, CUDA_R_32F, x16, p->w, p->wdt, M, N, K, acc ? 1.0f : 0.0f);
       if (p->bias) {
@@ -667,6 +728,7 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       (!c->capturing || ho_bytes <= c->xconv_size)) {
     grow(c, &c->xconv, &c->xconv_size, ho_bytes);
     a.out16 = static_cast<__nv_bfloat16 *>(c->xconv);
+    c->n16_valid = false;
     hand16(c, out, b->n_tokens, n_q_heads * a.head_dim, PD_DTYPE_BF16);
   }
 
@@ -763,6 +825,7 @@ void cu_destroy(pd_backend *be) {
     if (c->blas) cublasDestroy(c->blas);
     cudaFree(c->blas_ws);
     cudaFree(c->xconv);
+    cudaFree(c->acc_ws);
     cudaFree(c->attn_ws);
     cudaFree(c->ho_ss[0]);
     cudaFree(c->tiles);

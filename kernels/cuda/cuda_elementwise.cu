@@ -238,6 +238,58 @@ rmsnorm16_kernel(T16 *__restrict__ y, const float *__restrict__ x, const float *
   }
 }
 
+/* x += the sum of NP partial products [NP][M][D] (+ bias), then the RMSNorm of the new x as
+ * 16-bit values into y: a split GEMM's reduction, the residual add and the next GEMM's operand
+ * in one pass (rows of D % 4 == 0, D <= kRowThreads * 4 * kRowVecs, aligned). */
+template <typename T16>
+__global__ void __launch_bounds__(kRowThreads)
+add_rmsnorm16_kernel(T16 *__restrict__ y, float *__restrict__ x, const float *__restrict__ parts,
+                     int np, size_t part_stride, const float *__restrict__ bias,
+                     const float *__restrict__ w, float eps, int D) {
+  float *xr = x + (size_t)blockIdx.x * D;
+  const float *pr = parts + (size_t)blockIdx.x * D;
+  T16 *yr = y + (size_t)blockIdx.x * D;
+  const int n4 = D / 4;
+  float4 v[kRowVecs];
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kRowVecs; k++) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i < n4) {
+      float4 a = reinterpret_cast<const float4 *>(xr)[i];
+      for (int p = 0; p < np; p++) {
+        const float4 b = reinterpret_cast<const float4 *>(pr + p * part_stride)[i];
+        a.x += b.x;
+        a.y += b.y;
+        a.z += b.z;
+        a.w += b.w;
+      }
+      if (bias) {
+        const float4 b = __ldg(reinterpret_cast<const float4 *>(bias) + i);
+        a.x += b.x;
+        a.y += b.y;
+        a.z += b.z;
+        a.w += b.w;
+      }
+      reinterpret_cast<float4 *>(xr)[i] = a;
+      v[k] = a;
+      ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+    }
+  }
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma unroll
+  for (int k = 0; k < kRowVecs; k++) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i < n4) {
+      const float4 g = __ldg(reinterpret_cast<const float4 *>(w) + i);
+      uint2 o = make_uint2(pd_pack2(v[k].x * inv * g.x, v[k].y * inv * g.y, (T16 *)nullptr),
+                           pd_pack2(v[k].z * inv * g.z, v[k].w * inv * g.w, (T16 *)nullptr));
+      reinterpret_cast<uint2 *>(yr)[i] = o;
+    }
+  }
+}
+
 /* y[m, f] = silu(g + bg) * (u + bu) from 16-bit rows [g | u] of 2F (cuBLAS's output), y in f32
  * or in the 16-bit type (the next GEMM's operand); a 2D grid (row = blockIdx.y), eight outputs
  * per thread, by 16-byte loads and stores when F % 8 == 0 (V8: every row then starts 16-byte
@@ -462,6 +514,17 @@ void pd_cuda_rmsnorm16(cudaStream_t st, void *y, pd_dtype dt, const float *x, co
     rmsnorm16_kernel<<<M, row_threads(D / 4), 0, st>>>((__nv_bfloat16 *)y, x, w, eps, D);
   else
     rmsnorm16_kernel<<<M, row_threads(D / 4), 0, st>>>((__half *)y, x, w, eps, D);
+}
+
+void pd_cuda_add_rmsnorm16(cudaStream_t st, void *y, pd_dtype dt, float *x, const float *parts,
+                           int n_parts, size_t part_stride, const float *bias, const float *w,
+                           float eps, int M, int D) {
+  if (dt == PD_DTYPE_BF16)
+    add_rmsnorm16_kernel<<<M, row_threads(D / 4), 0, st>>>((__nv_bfloat16 *)y, x, parts, n_parts,
+                                                           part_stride, bias, w, eps, D);
+  else
+    add_rmsnorm16_kernel<<<M, row_threads(D / 4), 0, st>>>((__half *)y, x, parts, n_parts,
+                                                           part_stride, bias, w, eps, D);
 }
 
 void pd_cuda_swiglu16(cudaStream_t st, float *y, const void *gu, pd_dtype dt, const float *bias,

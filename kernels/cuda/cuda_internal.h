@@ -136,6 +136,12 @@ void pd_cuda_convert(cudaStream_t st, void *dst, pd_dtype dt, const float *src, 
 /* RMSNorm (no residual) with 16-bit output (dt BF16 or F16), for rows pd_cuda_rmsnorm16_ok
  * takes (D % 4 == 0, D <= 8192, x and w 16-byte aligned). */
 bool pd_cuda_rmsnorm16_ok(const float *x, const float *w, int D);
+/* x [M, D] += sum_p parts[p * part_stride ..] (+ bias), then y = the RMSNorm of x with weights w
+ * in 16 bits (dt BF16 or F16): a split GEMM's reduction, the residual add and the next GEMM's
+ * operand in one pass (rows as pd_cuda_rmsnorm16_ok; parts 16-byte aligned) */
+void pd_cuda_add_rmsnorm16(cudaStream_t st, void *y, pd_dtype dt, float *x, const float *parts,
+                           int n_parts, size_t part_stride, const float *bias, const float *w,
+                           float eps, int M, int D);
 void pd_cuda_rmsnorm16(cudaStream_t st, void *y, pd_dtype dt, const float *x, const float *w,
                        float eps, int M, int D);
 /* y[M, F] = silu(g + bias[:F]) * (u + bias[F:]) from 16-bit rows [g | u] (dt BF16 or F16);

@@ -49,6 +49,15 @@ struct cuda_impl {
   const float *h16_y;
   int h16_M, h16_K;
   pd_dtype h16_dt;
+  /* the normed 16-bit hand-off of a residual GEMM (pd_mm_fused.norm_next, M > the GEMV rows):
+   * xconv holds RMSNorm(y [M, K]; n16_g, n16_eps) in n16_dt */
+  bool n16_valid;
+  const float *n16_y, *n16_g;
+  float n16_eps;
+  int n16_M, n16_K;
+  pd_dtype n16_dt;
+  float *acc_ws; /* the residual GEMM's partial products [splits][M][N] */
+  size_t acc_ws_size;
   /* KV staging (cuda_kvstage.cu) */
   void *stage_dev;
   size_t stage_dev_size;

@@ -133,7 +133,10 @@ typedef struct pd_dev_sample_out {
  *    an op with norm_next != NULL and xg != NULL (PD_MM_STORE / PD_MM_ACCUMULATE) may also leave
  *    y * norm_next in xg [M, N], with what it needs to finish the norm; the next matmul_fused,
  *    if its x is that y, its norm_w that norm_next and its xg that xg, may then start from xg
- *    instead of normalising x. Nothing may change y or xg between the two calls.
+ *    instead of normalising x. Nothing may change y or xg between the two calls. Where eps is set
+ *    too (norm_next's, as the next call's), the op may instead hand over the normed rows in a
+ *    form of its own (the CUDA backend: the next GEMM's 16-bit operand, at sizes it runs
+ *    through cuBLAS), which the next call takes if its x, norm_w and eps are those.
  *  - y_scratch (a hint for PD_MM_GLU): y is read by nothing but the next matmul_fused, as its x.
  *    The op may then hand its product over in a form of its own (the CUDA backend: the 16-bit
  *    GEMM operand of the next product, at sizes it runs through cuBLAS) and leave y unwritten;
