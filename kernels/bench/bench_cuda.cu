@@ -135,6 +135,7 @@ static struct {
 } g_nvml;
 static double g_power_s = 0;        /* --power SECONDS */
 static const char *g_power_only = ""; /* --power SECONDS WHAT: the rows whose "what" starts so */
+static bool g_attn_only = false;      /* --attn: the copy ceiling and the decode attention only */
 
 static bool nvml_open(int cuda_dev) {
   void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
@@ -487,10 +488,12 @@ int main(int argc, char **argv) {
       }
       if (i + 1 < argc && !(argv[i + 1][0] >= '0' && argv[i + 1][0] <= '9'))
         g_power_only = argv[++i];
+    } else if (!strcmp(argv[i], "--attn")) {
+      g_attn_only = true;
     } else if (argv[i][0] >= '0' && argv[i][0] <= '9') {
       dev = atoi(argv[i]);
     } else {
-      fprintf(stderr, "usage: pd-bench-cuda [device] [--power SECONDS [WHAT]]\n");
+      fprintf(stderr, "usage: pd-bench-cuda [device] [--attn | --power SECONDS [WHAT]]\n");
       return 2;
     }
   }
@@ -541,7 +544,7 @@ int main(int argc, char **argv) {
   be->ops.free(be, dst);
 
   /* ---- cuBLAS bf16 GEMM 8192^3 */
-  {
+  if (!g_attn_only) {
     const int n = 8192;
     __nv_bfloat16 *A = (__nv_bfloat16 *)dalloc((size_t)n * n * 2), *B = (__nv_bfloat16 *)dalloc((size_t)n * n * 2);
     float *C = (float *)dalloc((size_t)n * n * 4);
@@ -566,7 +569,7 @@ int main(int argc, char **argv) {
   /* ---- GEMV / GEMM through the ops table, Llama-3-8B shapes */
   static const int shapes[][2] = {{4096, 4096},  {6144, 4096},  {14336, 4096},
                                   {28672, 4096}, {4096, 14336}, {128256, 4096}};
-  for (int si = 0; si < 6; si++) {
+  for (int si = 0; si < (g_attn_only ? 0 : 6); si++) {
     const int N = shapes[si][0], K = shapes[si][1];
     const size_t wb = (size_t)N * K * 2;
     std::vector<void *> w = weight_copies(N, K);
@@ -625,7 +628,7 @@ int main(int argc, char **argv) {
     }
   }
   /* ---- prefill attention */
-  {
+  if (!g_attn_only) {
     double bytes;
     struct {
       int S, n_new, ctx;
@@ -646,7 +649,7 @@ int main(int argc, char **argv) {
     }
   }
   /* ---- device sampling */
-  {
+  if (!g_attn_only) {
     const int V = 128256, maxn = 256;
     float *lg = (float *)dalloc((size_t)maxn * V * 4);
     fill_normal<<<4096, 256, 0, st>>>(lg, (size_t)maxn * V, 3.0f, 12);

@@ -711,6 +711,20 @@ static void test_attention(void) {
     run_attn(&c);
   }
 
+  /* many sequences (2048 and 512 (sequence, KV head) blocks, more than an H200 holds at once:
+   * the shape of a 256-sequence decode step), ragged contexts, one of 1 token */
+  S = MAXS;
+  for (int s = 0; s < S; s++) {
+    n_new[s] = 1;
+    ctx[s] = s == 7 ? 1 : 1 + irand(1500 / scale);
+  }
+  for (int l = 0; l < 2; l++) {
+    static const int ml[][3] = {{32, 8, 128}, {16, 2, 64}};
+    attn_case c = {"decode many units", S, n_new, ctx, ml[l][0], ml[l][1], ml[l][2],
+                   l ? 32 : 16, l ? PD_DTYPE_F16 : PD_DTYPE_BF16, 0, tol_tc};
+    run_attn(&c);
+  }
+
   /* few sequences (batch-1 decode): 64-key splits; on Hopper up to 8 of them merge inside a
    * thread-block cluster, more go through the merge kernel. Contexts at and around those limits,
    * with empty splits (a 1-token sequence next to a 512-token one). */
