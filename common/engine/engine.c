@@ -476,7 +476,7 @@ static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int
                                .norm_w = L->attn_norm, .eps = eps, .xn = g->xn, .xg = g->xg,
                                .epilogue = PD_MM_ROPE_KV, .q_out = g->q, .pos = g->dm.pos,
                                .inv_freq = g->inv_freq, .kv = &L->kv, .shape = &g->kvs,
-                               .slots = g->dm.slots, .n_q_heads = g->nq};
+                               .slots = g->dm.slots, .n_q_heads = g->nq, .attn_next = true};
       be->ops.matmul_fused(be, &qkv);
     } else {
       be->ops.rmsnorm(be, g->xn, g->x, L->attn_norm, eps, M, D);

@@ -120,13 +120,23 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int L = a.ctx_len[s];
   constexpr int QJ = 16 * (HD / 2) / kThreads; /* Q pairs a thread stages */
   static_assert(16 * (HD / 2) % kThreads == 0, "Q's pairs split evenly over the threads");
-  const float *qg = a.q + qrow0 * HD;
+  /* (rope_qkv: the rows of the QKV product; a thread takes the pairs (i, i + HD / 2) that RoPE
+   * rotates instead of adjacent ones) */
+  const size_t qkv_row = (size_t)(nq + 2 * nkv) * HD;
+  const float *qg = a.rope_qkv ? a.rope_qkv + (size_t)t * qkv_row + (size_t)g * G * HD
+                               : a.q + qrow0 * HD;
   float2 qv[QJ]; /* zero rows past G */
 #pragma unroll
   for (int j = 0; j < QJ; j++) {
     const unsigned i = tid + j * kThreads, r = i / (HD / 2), d = (i - r * (HD / 2)) * 2;
-    qv[j] = (int)r < G ? *reinterpret_cast<const float2 *>(qg + r * HD + d)
-                       : make_float2(0.0f, 0.0f);
+    if (a.rope_qkv) {
+      const unsigned e = i - r * (HD / 2);
+      qv[j] = (int)r < G ? make_float2(qg[r * HD + e], qg[r * HD + e + HD / 2])
+                         : make_float2(0.0f, 0.0f);
+    } else {
+      qv[j] = (int)r < G ? *reinterpret_cast<const float2 *>(qg + r * HD + d)
+                         : make_float2(0.0f, 0.0f);
+    }
   }
   /* A thread copies NJ 16-byte chunks of K and of V per tile: rows (tid + j * kThreads) / CPR.
    * Their pages' ids are read from the block table one tile ahead of the copies (pid), so that
@@ -227,19 +237,59 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
   };
 
+  /* rope_qkv: this KV head's new K (with RoPE) and V rows to the cache, as rope_kv_write does,
+   * then a proxy fence: the tile that holds them is copied after a barrier that follows (for a
+   * one-tile context, the barrier right here; otherwise the one before the tile loop) */
+  auto write_new_kv = [&]() {
+    const int slot = a.rope_slots[t];
+    if (slot < 0) return;
+    const float *src = a.rope_qkv + (size_t)t * qkv_row + (size_t)(nq + g) * HD;
+    const int blk = slot / bs, off = slot - blk * bs;
+    const size_t dst = (((size_t)blk * nkv + g) * bs + off) * HD;
+    KT *kw = static_cast<KT *>(const_cast<void *>(a.k)), *vw = static_cast<KT *>(const_cast<void *>(a.v));
+    if (tid < HD / 2) {
+      float sn, cs;
+      sincosf((float)a.rope_pos[t] * a.rope_inv_freq[tid], &sn, &cs);
+      const float x0 = src[tid], x1 = src[tid + HD / 2];
+      kw[dst + tid] = pd_from_f32<KT>(pd_rope_rot0(x0, x1, cs, sn));
+      kw[dst + tid + HD / 2] = pd_from_f32<KT>(pd_rope_rot1(x0, x1, cs, sn));
+    }
+    if (tid < HD) vw[dst + tid] = pd_from_f32<KT>(src[(size_t)nkv * HD + tid]);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+  };
   if (n_tiles > 0) {
     if (TMA && warp == 0) __syncwarp(); /* the barriers' initialisation before their use */
+    if (a.rope_qkv && n_tiles == 1) {
+      write_new_kv();
+      __syncthreads();
+    }
     read_pages(0);
     load_tile(0, 0);
     if (n_tiles > 1) read_pages(1);
   }
-  /* Q rows into shared memory, scaled into the log2 domain */
+  if (a.rope_qkv && n_tiles > 1) write_new_kv();
+  /* Q rows into shared memory, scaled into the log2 domain (rope_qkv: rotated first, as
+   * rope_kv_write rotates them) */
   const float qscale = a.scale * PD_LOG2E;
 #pragma unroll
   for (int j = 0; j < QJ; j++) {
     const int i = tid + j * kThreads, r = i / (HD / 2), d = (i - r * (HD / 2)) * 2;
-    *reinterpret_cast<uint32_t *>(&sQ[r * LD + d]) =
-        pd_tc<KT>::pack(qv[j].x * qscale, qv[j].y * qscale);
+    if (a.rope_qkv) {
+      float y0 = 0.0f, y1 = 0.0f;
+      if (r < G) {
+        float sn, cs;
+        sincosf((float)a.rope_pos[t] * a.rope_inv_freq[d / 2], &sn, &cs);
+        y0 = pd_rope_rot0(qv[j].x, qv[j].y, cs, sn);
+        y1 = pd_rope_rot1(qv[j].x, qv[j].y, cs, sn);
+      }
+      sQ[r * LD + d / 2] = pd_from_f32<KT>(y0 * qscale);
+      sQ[r * LD + d / 2 + HD / 2] = pd_from_f32<KT>(y1 * qscale);
+    } else {
+      *reinterpret_cast<uint32_t *>(&sQ[r * LD + d]) =
+          pd_tc<KT>::pack(qv[j].x * qscale, qv[j].y * qscale);
+    }
   }
 
   __syncthreads(); /* sQ (and, TMA, the barriers' initialisation) */

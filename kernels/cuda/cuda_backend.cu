@@ -483,8 +483,19 @@ static void resid_norm(cuda_impl *c, const pd_mm_fused *p, const void *x16, int 
  * the attention; where there is no hand-off (the first layer, the LM head) the norm runs as its
  * own kernel first. Larger M run the separate kernels (RMSNorm into the 16-bit GEMM operand,
  * cuBLAS, then the epilogue's kernel; the residual add is cuBLAS's beta = 1). */
+/* The RoPE and cache writes a QKV product left to the next attention (pd_mm_fused.attn_next),
+ * run now where that call cannot take them. */
+static void rk_flush(cuda_impl *c) {
+  if (!c->rk_valid) return;
+  c->rk_valid = false;
+  pd_cuda_rope_kv_write(c->st, c->rk_q_out, c->rk_qkv, c->rk_pos, c->rk_inv_freq, &c->rk_kv,
+                        &c->rk_shape, c->rk_slots, c->rk_M, c->rk_nq);
+  CK_LAUNCH(c, "rope_kv_write");
+}
+
 void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
   cuda_impl *c = impl_of(be);
+  rk_flush(c); /* (a hint not followed by its attention) */
   const int M = p->M, N = p->N, K = p->K;
   PD_ASSERT(M >= 0 && N >= 0 && K >= 0);
   PD_ASSERT(float_dtype(p->wdt));
@@ -631,9 +642,29 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
       matmul_impl(c, y, x, p->w, p->wdt, p->bias, M, N, K, acc);
     }
     if (p->epilogue == PD_MM_ROPE_KV) {
-      pd_cuda_rope_kv_write(c->st, p->q_out, y, p->pos, p->inv_freq, p->kv, p->shape, p->slots,
-                            M, p->n_q_heads);
-      CK_LAUNCH(c, "rope_kv_write");
+      /* left to the attention that reads q_out next (PD_CUDA_ROPE_DEFER=0: never, a
+       * measurement switch) */
+      static int defer = -1;
+      if (defer < 0) {
+        const char *ev = getenv("PD_CUDA_ROPE_DEFER");
+        defer = !(ev && !strcmp(ev, "0"));
+      }
+      if (defer && p->attn_next) {
+        c->rk_valid = true;
+        c->rk_q_out = p->q_out;
+        c->rk_qkv = y;
+        c->rk_pos = p->pos;
+        c->rk_inv_freq = p->inv_freq;
+        c->rk_kv = *p->kv;
+        c->rk_shape = *p->shape;
+        c->rk_slots = p->slots;
+        c->rk_M = M;
+        c->rk_nq = p->n_q_heads;
+      } else {
+        pd_cuda_rope_kv_write(c->st, p->q_out, y, p->pos, p->inv_freq, p->kv, p->shape,
+                              p->slots, M, p->n_q_heads);
+        CK_LAUNCH(c, "rope_kv_write");
+      }
     }
   }
   }
@@ -646,6 +677,7 @@ void cu_rope_kv_write(pd_backend *be, float *q_out, const float *qkv, const int3
   PD_ASSERT(M >= 0 && n_q_heads > 0 && shape->block_size > 0 && shape->num_kv_heads > 0);
   PD_ASSERT(shape->head_dim >= 2 && shape->head_dim % 2 == 0 && shape->head_dim <= 256);
   PD_ASSERT(float_dtype(shape->dtype));
+  rk_flush(c);
   if (M == 0) return;
   use_device(c);
   pd_cuda_rope_kv_write(c->st, q_out, qkv, pos, inv_freq, kv, shape, slots, M, n_q_heads);
@@ -689,7 +721,16 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
   PD_ASSERT(float_dtype(shape->dtype));
   PD_ASSERT(shape->head_dim % 2 == 0 && shape->head_dim <= 256);
   PD_ASSERT(b->n_seqs >= 0 && b->n_tokens >= b->n_seqs);
-  if (b->n_seqs == 0 || b->n_tokens == 0) return;
+  /* the RoPE and cache writes the QKV product left to this call, if they are its own: taken into
+   * the decode kernel where it runs one block per (sequence, KV head), else run first */
+  const bool rk_mine = c->rk_valid && c->rk_q_out == q && c->rk_kv.k == kv->k &&
+                       c->rk_kv.v == kv->v && c->rk_M == b->n_tokens && c->rk_nq == n_q_heads &&
+                       !memcmp(&c->rk_shape, shape, sizeof *shape);
+  if (!rk_mine) rk_flush(c);
+  if (b->n_seqs == 0 || b->n_tokens == 0) {
+    rk_flush(c);
+    return;
+  }
   use_device(c);
   pd_cuda_attn a;
   memset(&a, 0, sizeof a);
@@ -733,6 +774,7 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
   }
 
   if (!pd_cuda_attn_tuned_hd(a.head_dim)) {
+    rk_flush(c);
     pd_cuda_attn_generic(c->st, &a);
     CK_LAUNCH(c, "attention (generic)");
     return;
@@ -777,6 +819,14 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       /* (not for splits of one tile: batch 1's attention over a few hundred keys is a chain
        * of latencies, where the tensor-map copies' barrier adds one: 4.071 -> 4.080 ms a step) */
       a.tma = a.split_len != 64 && pd_cuda_attn_decode_tma_ok(&a, c->cc_major);
+      if (c->rk_valid && a.n_splits == 1 && !a.cluster) {
+        a.rope_qkv = c->rk_qkv;
+        a.rope_inv_freq = c->rk_inv_freq;
+        a.rope_pos = c->rk_pos;
+        a.rope_slots = c->rk_slots;
+        c->rk_valid = false;
+      }
+      rk_flush(c);
       pd_cuda_attn_decode_tc(c->st, &a);
       CK_LAUNCH(c, "attention (decode, tensor cores)");
       if (a.cluster) return;
@@ -785,6 +835,7 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       long long blocks = (long long)a.n_seqs * a.n_kv_heads * ((a.group + maxg - 1) / maxg);
       choose_splits(c, &a, blocks, 8LL * c->n_sm, span, 256, 64);
       if (a.n_splits > 1) a.split_len = 0; /* per sequence: see pd_cuda_attn */
+      rk_flush(c);
       pd_cuda_attn_decode(c->st, &a);
       CK_LAUNCH(c, "attention (decode)");
     }
@@ -803,6 +854,7 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
     long long tiles = (long long)a.n_tokens * a.group / a.bm + a.n_seqs;
     /* two 4-warp blocks or one 8-warp block fit an SM */
     choose_splits(c, &a, tiles * a.n_kv_heads, (a.bm == 128 ? 1LL : 2LL) * c->n_sm, span, 512, 64);
+    rk_flush(c);
     pd_cuda_attn_prefill(c->st, &a);
     CK_LAUNCH(c, "attention (prefill)");
   }

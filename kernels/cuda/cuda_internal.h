@@ -224,6 +224,13 @@ typedef struct pd_cuda_attn {
    * cache of num_blocks pages */
   bool tma;
   int num_blocks;
+  /* tensor-core decode, one block per (sequence, KV head) (n_splits 1, no cluster): non-NULL,
+   * the query rows come from these qkv rows [n_tokens, (n_q_heads + 2 n_kv_heads) * head_dim]
+   * with RoPE (rope_pos, rope_inv_freq) instead of from q, and each block first writes its KV
+   * head's new K (with RoPE) and V rows to the cache at rope_slots (< 0: none), as
+   * rope_kv_write does (the same bits) */
+  const float *rope_qkv, *rope_inv_freq;
+  const int32_t *rope_pos, *rope_slots;
 } pd_cuda_attn;
 
 /* The attention's final output element i (pairs: i even) to out, or to out16 when set. */

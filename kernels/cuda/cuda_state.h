@@ -57,6 +57,15 @@ struct cuda_impl {
   int n16_M, n16_K;
   pd_dtype n16_dt;
   float *acc_ws; /* the residual GEMM's partial products [splits][M][N] */
+  /* a QKV product's RoPE and cache writes left to the next attention (pd_mm_fused.attn_next):
+   * rope_kv_write's arguments, the layer's cache pointers and shape copied */
+  bool rk_valid;
+  float *rk_q_out;
+  const float *rk_qkv, *rk_inv_freq;
+  const int32_t *rk_pos, *rk_slots;
+  pd_kv_layer rk_kv;
+  pd_kv_shape rk_shape;
+  int rk_M, rk_nq;
   size_t acc_ws_size;
   /* KV staging (cuda_kvstage.cu) */
   void *stage_dev;

@@ -794,6 +794,105 @@ static void test_attention(void) {
     }
 }
 
+/* The QKV product's RoPE and cache writes left to the decode attention (pd_mm_fused.attn_next)
+ * against the same calls with rope_kv_write run first: the caches bit for bit, the attention's
+ * output within rounding of the same bits. Llama-3's group of 4 heads at head dim 128 and 8 at
+ * 64 (on Hopper the tensor-map kernels), 80 (the cp.async kernel); 256 sequences (one block per
+ * sequence and KV head: the writes in the attention) and 3 long ones (split contexts: the
+ * separate kernel first); contexts of 1, 64 and 65 tokens among them (one tile or two). */
+static void test_rope_attn_defer(void) {
+  static const int lay[][3] = {{32, 8, 128}, {16, 2, 64}, {8, 4, 80}};
+  for (int l = 0; l < 3; l++)
+    for (int big = 0; big < 2; big++) {
+      const int nq = lay[l][0], nkv = lay[l][1], hd = lay[l][2], half = hd / 2, bs = 16;
+      const int S = big ? 256 : 3, K = 256, N = (nq + 2 * nkv) * hd;
+      const pd_dtype dt = l == 1 ? PD_DTYPE_F16 : PD_DTYPE_BF16;
+      int32_t *ctx = xmalloc((size_t)S * 4), *pos = xmalloc((size_t)S * 4);
+      int32_t *slots = xmalloc((size_t)S * 4), *qs = xmalloc((size_t)(S + 1) * 4);
+      int max_ctx = 0;
+      for (int s = 0; s < S; s++) {
+        ctx[s] = !big ? 900 + irand(400) : s == 3 ? 1 : s == 4 ? 64 : s == 5 ? 65
+                                           : 1 + irand(g_small ? 200 : 1200);
+        if (ctx[s] > max_ctx) max_ctx = ctx[s];
+        pos[s] = ctx[s] - 1;
+        qs[s] = s;
+      }
+      qs[S] = S;
+      const int mb = (max_ctx + bs - 1) / bs, nb = S * mb;
+      int32_t *bt = xmalloc((size_t)S * mb * 4);
+      for (int i = 0; i < S * mb; i++) bt[i] = (int32_t)(((size_t)i * 7919) % (size_t)nb);
+      for (int s = 0; s < S; s++)
+        slots[s] = s == 1 ? -1 : bt[(size_t)s * mb + pos[s] / bs] * bs + pos[s] % bs;
+      float *inv = xmalloc((size_t)half * 4);
+      for (int i = 0; i < half; i++) inv[i] = powf(500000.0f, -2.0f * i / hd);
+      const size_t ce = (size_t)nb * nkv * bs * hd, cb = ce * pd_dtype_size(dt);
+      void *cache = rand_dt(dt, ce, -1, 1);
+      void *w = rand_dt(PD_DTYPE_BF16, (size_t)N * K, -0.1f, 0.1f);
+      float *x = rand_f32((size_t)S * K, -1, 1);
+      pd_kv_shape sh = {nb, bs, nkv, hd, dt};
+      pd_kv_layer kv[2] = {{up(cache, cb), up(cache, cb)}, {up(cache, cb), up(cache, cb)}};
+      void *dw = up(w, (size_t)N * K * 2);
+      float *dx = up(x, (size_t)S * K * 4), *dinv = up(inv, (size_t)half * 4);
+      int32_t *dpos = up(pos, (size_t)S * 4), *dsl = up(slots, (size_t)S * 4);
+      int32_t *dctx = up(ctx, (size_t)S * 4), *dqs = up(qs, (size_t)(S + 1) * 4);
+      int32_t *dbt = up(bt, (size_t)S * mb * 4);
+      float *dqkv = g_gpu->ops.alloc(g_gpu, (size_t)S * N * 4);
+      float *dq = g_gpu->ops.alloc(g_gpu, (size_t)S * nq * hd * 4);
+      float *dout[2] = {g_gpu->ops.alloc(g_gpu, (size_t)S * nq * hd * 4),
+                        g_gpu->ops.alloc(g_gpu, (size_t)S * nq * hd * 4)};
+      const pd_attn_batch ab = {S, S, dqs, dctx, dbt, mb, max_ctx, false};
+      for (int r = 0; r < 2; r++) {
+        const pd_mm_fused p = {.y = dqkv, .x = dx, .w = dw, .wdt = PD_DTYPE_BF16, .M = S, .N = N,
+                               .K = K, .epilogue = PD_MM_ROPE_KV, .q_out = dq, .pos = dpos,
+                               .inv_freq = dinv, .kv = &kv[r], .shape = &sh, .slots = dsl,
+                               .n_q_heads = nq, .attn_next = r == 1};
+        g_gpu->ops.matmul_fused(g_gpu, &p);
+        g_gpu->ops.attention(g_gpu, dout[r], dq, &kv[r], &sh, &ab, nq, 1.0f / sqrtf((float)hd), 0);
+      }
+      void *k0 = down(kv[0].k, cb), *k1 = down(kv[1].k, cb), *v0 = down(kv[0].v, cb),
+           *v1 = down(kv[1].v, cb);
+      float *o0 = down(dout[0], (size_t)S * nq * hd * 4), *o1 = down(dout[1], (size_t)S * nq * hd * 4);
+      const double err = rel_err(o1, o0, (size_t)S * nq * hd);
+      CHECKF(memcmp(k0, k1, cb) == 0 && memcmp(v0, v1, cb) == 0,
+             "RoPE + KV write in the attention (%d seqs, heads %d/%d, hd %d): the cache differs", S,
+             nq, nkv, hd);
+      CHECKF(err <= 1e-6, "RoPE + KV write in the attention (%d seqs, heads %d/%d, hd %d): output "
+             "error %.3g", S, nq, nkv, hd, err);
+      printf("  rope + kv write in the attention: seqs %3d heads %2d/%d hd %3d: cache equal, "
+             "output error %.2e\n", S, nq, nkv, hd, err);
+      free(ctx);
+      free(pos);
+      free(slots);
+      free(qs);
+      free(bt);
+      free(inv);
+      free(cache);
+      free(w);
+      free(x);
+      free(k0);
+      free(k1);
+      free(v0);
+      free(v1);
+      free(o0);
+      free(o1);
+      for (int r = 0; r < 2; r++) {
+        gfree(kv[r].k);
+        gfree(kv[r].v);
+        gfree(dout[r]);
+      }
+      gfree(dw);
+      gfree(dx);
+      gfree(dinv);
+      gfree(dpos);
+      gfree(dsl);
+      gfree(dctx);
+      gfree(dqs);
+      gfree(dbt);
+      gfree(dqkv);
+      gfree(dq);
+    }
+}
+
 /* matmul_fused against the GPU's separate ops (rmsnorm, matmul, add, swiglu, rope_kv_write),
  * each checked against the CPU above: every epilogue, with and without the norm and the bias,
  * on decode rows (M <= 2: the fused GEMV kernels) and M = 5 (cuBLAS and separate kernels inside
@@ -1181,6 +1280,7 @@ int main(int argc, char **argv) {
     test_kv_write(32, k_dts[d]);
   }
   test_attention();
+  test_rope_attn_defer();
   test_fused();
   test_mm_fused();
   test_mm_handoff();

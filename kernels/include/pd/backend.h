@@ -165,6 +165,11 @@ typedef struct pd_mm_fused {
   const pd_kv_shape *shape;
   const int32_t *slots;
   int n_q_heads;
+  /* PD_MM_ROPE_KV, a hint: q_out and the cache rows at slots are read by nothing but the next
+   * call, which is attention over q_out with kv, these M rows its tokens. The op may then leave
+   * the RoPE and the cache writes to that call (the CUDA backend: into the decode attention's
+   * blocks, where it runs one block per sequence and KV head), which does them first otherwise. */
+  bool attn_next;
 } pd_mm_fused;
 
 typedef struct pd_backend_ops {
