@@ -441,6 +441,31 @@ static void test_vocab(int V) {
            sdiff, n_small);
     printf("  small greedy calls: %d specs in %d calls, %d differ\n", n_small, calls, sdiff);
   }
+  /* one call of 300 such rows (the eligible specs repeated: a decode step of 300 sequences
+   * takes the multi-block argmax too, 13 blocks a row) */
+  {
+    enum { NL = 300 };
+    pd_dev_sample_spec *sl = xmalloc(NL * sizeof *sl);
+    int *idx = xmalloc(NL * sizeof *idx), nl = 0;
+    for (int pass = 0; nl < NL && pass < NL; pass++)
+      for (int i = 0; i < n_specs && nl < NL; i++)
+        if (specs[i].edit_count == 0 && specs[i].n_top < 0 &&
+            specs[i].temperature < PD_SAMPLE_GREEDY_EPS) {
+          sl[nl] = specs[i];
+          sl[nl].edit_begin = 0;
+          idx[nl++] = i;
+        }
+    pd_dev_sample_out *o4 = xmalloc(NL * sizeof *o4);
+    if (nl > 0) g_gpu->ops.sample(g_gpu, o4, d_logits, V, sl, nl, NULL, 0);
+    int ldiff = 0;
+    for (int j = 0; j < nl; j++) ldiff += !same_out(&out[idx[j]], &o4[j]);
+    CHECKF(nl == NL && ldiff == 0, "V=%d: %d of %d outputs of a %d-row greedy call differ", V,
+           ldiff, nl, NL);
+    printf("  a greedy call of %d rows: %d differ\n", nl, ldiff);
+    free(sl);
+    free(idx);
+    free(o4);
+  }
 
   for (int i = 0; i < n_items; i++) pd_sampler_free(items[i].s);
   free(items);
