@@ -70,8 +70,19 @@ run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 8,32,128,256
 step "decode, 256 sequences at a mean context of 1k (prompts of 928 tokens, 192 steps)"
 # (the sequences that decode while the last prompts are still prefilled have moved on: over the
 # steps in which all 256 decode, the context averages 1,024 tokens)
+# (the board's power draw and SM clock sampled every 20 ms meanwhile: the step runs at the power
+# limit, where the SM clock drops and the compute-bound GEMMs with it)
+P=$(mktemp)
+nvidia-smi --query-gpu=power.draw,clocks.sm,clocks_throttle_reasons.active --format=csv,noheader \
+  -lms 20 > "$P" 2>/dev/null &
+SMI=$!
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 --prompt-len 928 \
   --decode-tokens 192 --repeat 2
+kill "$SMI" 2>/dev/null; wait "$SMI" 2>/dev/null
+awk -F', ' '{ w = $1 + 0; n++; if (w >= 600) { h++; sw += w; sc += $2 + 0; if ($3 != "0x0000000000000000") t++ } }
+  END { if (n) printf "power sampled %d times; at >= 600 W %d: mean %.0f W, SM clock %.0f MHz, throttled %d\n", n, h, h ? sw / h : 0, h ? sc / h : 0, t }' "$P"
+awk -F', ' '$1 + 0 >= 600 { print "  throttle reasons " $3 }' "$P" | sort | uniq -c
+rm -f "$P"
 step "prefill 1k and 8k"
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 1024 \
   --decode-tokens 2 --repeat 3
