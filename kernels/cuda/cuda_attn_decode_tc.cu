@@ -312,8 +312,6 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
   for (int i = 0; i < HD / 16; i++) ot[i][0] = ot[i][1] = ot[i][2] = ot[i][3] = 0.0f;
   float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
-  /* G8: whether the lane's heads 2 lt and 2 lt + 1 are padding (past G), and masked */
-  const bool padA = G8 && a.pad_mask && 2 * lt >= G, padB = G8 && a.pad_mask && 2 * lt + 1 >= G;
 
   for (int tile = 0; tile < n_tiles; tile++) {
     const int st = tile & 1;
@@ -367,10 +365,6 @@ __global__ void __launch_bounds__(kThreads, 3)
         if (kp0 + lg >= kend) s4[0] = s4[1] = -INFINITY;
         if (kp0 + lg + 8 >= kend) s4[2] = s4[3] = -INFINITY;
       }
-      /* pad_mask: the padding heads' scores masked, so that their P^T columns are zeros (not
-       * ones, as for a zero query): the P V products then multiply zeros there */
-      if (padA) s4[0] = s4[2] = -INFINITY;
-      if (padB) s4[1] = s4[3] = -INFINITY;
       /* a head's maximum over the tile's keys: the lane's two, then across lg */
       float mx0 = fmaxf(s4[0], s4[2]), mx1 = fmaxf(s4[1], s4[3]);
 #pragma unroll

@@ -819,13 +819,6 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       /* (not for splits of one tile: batch 1's attention over a few hundred keys is a chain
        * of latencies, where the tensor-map copies' barrier adds one: 4.071 -> 4.080 ms a step) */
       a.tma = a.split_len != 64 && pd_cuda_attn_decode_tma_ok(&a, c->cc_major);
-      /* PD_CUDA_ATTN_PADMASK=0: the padding heads unmasked (a measurement switch) */
-      static int padmask = -1;
-      if (padmask < 0) {
-        const char *ev = getenv("PD_CUDA_ATTN_PADMASK");
-        padmask = !(ev && !strcmp(ev, "0"));
-      }
-      a.pad_mask = padmask;
       if (c->rk_valid && a.n_splits == 1 && !a.cluster) {
         a.rope_qkv = c->rk_qkv;
         a.rope_inv_freq = c->rk_inv_freq;

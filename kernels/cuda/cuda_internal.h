@@ -231,9 +231,6 @@ typedef struct pd_cuda_attn {
    * rope_kv_write does (the same bits) */
   const float *rope_qkv, *rope_inv_freq;
   const int32_t *rope_pos, *rope_slots;
-  /* tensor-core decode with the keys as M (G8): the padding heads' scores masked (their P
-   * columns zeros: less switching in the P V products) */
-  bool pad_mask;
 } pd_cuda_attn;
 
 /* The attention's final output element i (pairs: i even) to out, or to out16 when set. */
