@@ -1,6 +1,7 @@
 /* Row and elementwise ops of the CUDA backend: norms, embedding, RoPE, SwiGLU, KV-cache writes,
  * row gathers, adds, bias and the activation conversion for cuBLAS. All memory-bound, f32 math;
  * shapes as in backend.h. Each launcher queues one kernel on the stream. */
+#include <type_traits>
 #include "cuda_internal.h"
 
 namespace {
@@ -30,6 +31,34 @@ __device__ float block_sum(float v) {
  * decode step's norm of one 4096-wide row took 12.7 us the element-wise way, serialised by the
  * store to x that may alias r). Other rows take the plain loops. */
 constexpr int kRowVecs = 8;
+
+/* The vectorised RMSNorms' second half: a row's sum of squares ss (this thread's part) summed
+ * over the block, then the row's values v (kRowVecs float4 a thread, i = threadIdx.x + k *
+ * kRowThreads) times 1 / rms and w, stored as floats or as 16-bit values (TO). */
+template <typename TO>
+__device__ __forceinline__ void norm_store(TO *__restrict__ yr, const float4 (&v)[kRowVecs],
+                                           float ss, const float *__restrict__ w, float eps,
+                                           int D) {
+  const int n4 = D / 4;
+  ss = block_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma unroll
+  for (int k = 0; k < kRowVecs; k++) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i < n4) {
+      const float4 g = __ldg(reinterpret_cast<const float4 *>(w) + i);
+      if constexpr (std::is_same<TO, float>::value) {
+        reinterpret_cast<float4 *>(yr)[i] =
+            make_float4(v[k].x * inv * g.x, v[k].y * inv * g.y, v[k].z * inv * g.z,
+                        v[k].w * inv * g.w);
+      } else {
+        uint2 o = make_uint2(pd_pack2(v[k].x * inv * g.x, v[k].y * inv * g.y, (TO *)nullptr),
+                             pd_pack2(v[k].z * inv * g.z, v[k].w * inv * g.w, (TO *)nullptr));
+        reinterpret_cast<uint2 *>(yr)[i] = o;
+      }
+    }
+  }
+}
 
 __global__ void __launch_bounds__(kRowThreads)
 rmsnorm_kernel(float *__restrict__ y, float *x, const float *__restrict__ r,
@@ -67,18 +96,7 @@ rmsnorm_kernel(float *__restrict__ y, float *x, const float *__restrict__ r,
         if (rr) reinterpret_cast<float4 *>(xr)[i] = v[k];
       }
     }
-    ss = block_sum(ss);
-    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
-#pragma unroll
-    for (int k = 0; k < kRowVecs; k++) {
-      const int i = threadIdx.x + k * kRowThreads;
-      if (i < n4) {
-        const float4 g = __ldg(reinterpret_cast<const float4 *>(w) + i);
-        reinterpret_cast<float4 *>(yr)[i] =
-            make_float4(v[k].x * inv * g.x, v[k].y * inv * g.y, v[k].z * inv * g.z,
-                        v[k].w * inv * g.w);
-      }
-    }
+    norm_store(yr, v, ss, w, eps, D);
     return;
   }
   float ss = 0.0f;
@@ -205,27 +223,6 @@ __global__ void swiglu_kernel(float *__restrict__ y, const float *__restrict__ g
   }
 }
 
-/* The 16-bit RMSNorms' second half: a row's sum of squares ss (this thread's part) summed over
- * the block, then the row's values v (kRowVecs float4 a thread, i = threadIdx.x + k *
- * kRowThreads) times 1 / rms and w, stored as 16-bit values. */
-template <typename T16>
-__device__ __forceinline__ void norm_store16(T16 *__restrict__ yr, const float4 (&v)[kRowVecs],
-                                             float ss, const float *__restrict__ w, float eps,
-                                             int D) {
-  const int n4 = D / 4;
-  ss = block_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / (float)D + eps);
-#pragma unroll
-  for (int k = 0; k < kRowVecs; k++) {
-    const int i = threadIdx.x + k * kRowThreads;
-    if (i < n4) {
-      const float4 g = __ldg(reinterpret_cast<const float4 *>(w) + i);
-      uint2 o = make_uint2(pd_pack2(v[k].x * inv * g.x, v[k].y * inv * g.y, (T16 *)nullptr),
-                           pd_pack2(v[k].z * inv * g.z, v[k].w * inv * g.w, (T16 *)nullptr));
-      reinterpret_cast<uint2 *>(yr)[i] = o;
-    }
-  }
-}
 
 /* RMSNorm of rows of D % 4 == 0, D <= kRowThreads * 4 * kRowVecs (aligned) written as 16-bit
  * values: the GEMM operand straight away (the f32 row and the conversion pass skipped). */
@@ -246,7 +243,7 @@ rmsnorm16_kernel(T16 *__restrict__ y, const float *__restrict__ x, const float *
       ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
     }
   }
-  norm_store16(yr, v, ss, w, eps, D);
+  norm_store(yr, v, ss, w, eps, D);
 }
 
 /* x += the sum of NP partial products [NP][M][D] (+ bias), then the RMSNorm of the new x as
@@ -287,7 +284,7 @@ add_rmsnorm16_kernel(T16 *__restrict__ y, float *__restrict__ x, const float *__
       ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
     }
   }
-  norm_store16(yr, v, ss, w, eps, D);
+  norm_store(yr, v, ss, w, eps, D);
 }
 
 /* y[m, f] = silu(g + bg) * (u + bu) from 16-bit rows [g | u] of 2F (cuBLAS's output), y in f32
