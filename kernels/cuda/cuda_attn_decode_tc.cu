@@ -28,7 +28,12 @@
  * heads a group, Llama's and Qwen's shapes; with TMA) puts the keys in the MMAs' M and the heads
  * in N (S^T = K Q^T, O^T += V^T P^T, P^T's fragments transposed in registers by movmatrix): 8
  * rows of padding at most instead of 12 to 15, half the MMAs. Every variant rescales O only
- * when a maximum moved and masks keys only in a split's last tile. */
+ * when a maximum moved and masks keys only in a split's last tile.
+ *
+ * rope_qkv (one block per sequence and KV head): the QKV product's RoPE and cache writes are the
+ * blocks' own instead of a kernel's before: a block rotates its Q rows from the product's rows,
+ * and writes its KV head's new K (rotated) and V rows to the cache before the tile that holds
+ * them is copied (the same arithmetic as rope_kv_write, so the same bits). */
 #include <math.h>
 
 #include <cooperative_groups.h>
@@ -246,7 +251,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     const float *src = a.rope_qkv + (size_t)t * qkv_row + (size_t)(nq + g) * HD;
     const int blk = slot / bs, off = slot - blk * bs;
     const size_t dst = (((size_t)blk * nkv + g) * bs + off) * HD;
-    KT *kw = static_cast<KT *>(const_cast<void *>(a.k)), *vw = static_cast<KT *>(const_cast<void *>(a.v));
+    KT *kw = static_cast<KT *>(const_cast<void *>(a.k));
+    KT *vw = static_cast<KT *>(const_cast<void *>(a.v));
     if (tid < HD / 2) {
       float sn, cs;
       sincosf((float)a.rope_pos[t] * a.rope_inv_freq[tid], &sn, &cs);

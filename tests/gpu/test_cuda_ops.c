@@ -851,8 +851,9 @@ static void test_rope_attn_defer(void) {
       }
       void *k0 = down(kv[0].k, cb), *k1 = down(kv[1].k, cb), *v0 = down(kv[0].v, cb),
            *v1 = down(kv[1].v, cb);
-      float *o0 = down(dout[0], (size_t)S * nq * hd * 4), *o1 = down(dout[1], (size_t)S * nq * hd * 4);
-      const double err = rel_err(o1, o0, (size_t)S * nq * hd);
+      const size_t on = (size_t)S * nq * hd;
+      float *o0 = down(dout[0], on * 4), *o1 = down(dout[1], on * 4);
+      const double err = rel_err(o1, o0, on);
       CHECKF(memcmp(k0, k1, cb) == 0 && memcmp(v0, v1, cb) == 0,
              "RoPE + KV write in the attention (%d seqs, heads %d/%d, hd %d): the cache differs", S,
              nq, nkv, hd);
