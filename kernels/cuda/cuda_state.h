@@ -57,6 +57,7 @@ struct cuda_impl {
   int n16_M, n16_K;
   pd_dtype n16_dt;
   float *acc_ws; /* the residual GEMM's partial products [splits][M][N] */
+  size_t acc_ws_size;
   /* a QKV product's RoPE and cache writes left to the next attention (pd_mm_fused.attn_next):
    * rope_kv_write's arguments, the layer's cache pointers and shape copied */
   bool rk_valid;
@@ -66,7 +67,6 @@ struct cuda_impl {
   pd_kv_layer rk_kv;
   pd_kv_shape rk_shape;
   int rk_M, rk_nq;
-  size_t acc_ws_size;
   /* KV staging (cuda_kvstage.cu) */
   void *stage_dev;
   size_t stage_dev_size;
