@@ -24,11 +24,16 @@
  * at run time): time per call, mean power, energy per call and the SM clock the power limit left
  * it (WHAT: only the rows whose first column starts so, e.g. "decode"; "GEMM algo": instead, the
  * M = 256 GEMMs through each of cuBLASLt's first 8 heuristic algorithms). What a step costs in
- * joules is what bounds it when the board runs at its power cap. */
+ * joules is what bounds it when the board runs at its power cap. The plain reads and the decode
+ * attention run on random bf16 and on constant bytes too: moving random bits costs ~30% more
+ * (H200: 2 GiB at 4.5 TB/s draw ~460 W of bytes 0x01 and ~610 W of random bf16), so only the
+ * random rows say what weights and caches cost. */
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -134,6 +139,7 @@ static struct {
   int (*clock)(nvml_dev_t, int, unsigned *);      /* type 1: SM, MHz */
 } g_nvml;
 static double g_power_s = 0;        /* --power SECONDS */
+static bool g_kv_const = false;     /* attn_case: caches of one constant instead of random */
 static const char *g_power_only = ""; /* --power SECONDS WHAT: the rows whose "what" starts so */
 static bool g_attn_only = false;      /* --attn: the copy ceiling and the decode attention only */
 
@@ -164,7 +170,11 @@ static double now_s(void) {
  * and prints time per call, mean power, energy per call and the clock. f == NULL: the idle GPU.
  * Returns milliseconds per call. */
 template <class F> static double power_run(const char *what, const char *shape, F *f) {
-  if (strncmp(what, g_power_only, strlen(g_power_only))) return 0;
+  char full[160];
+  snprintf(full, sizeof full, "%s %s", what, shape);
+  if (strncmp(what, g_power_only, strlen(g_power_only)) &&
+      strncmp(full, g_power_only, strlen(g_power_only)))
+    return 0;
   double per = 0.02; /* seconds a batch */
   int k = 1;
   if (f) {
@@ -231,6 +241,10 @@ static double attn_case(int S, int n_new, int ctx, int nq, int nkv, int hd, int 
   } else {
     fill_bf16<<<4096, 256, 0, st>>>((__nv_bfloat16 *)kv.k, elems, 1.0f, 1);
     fill_bf16<<<4096, 256, 0, st>>>((__nv_bfloat16 *)kv.v, elems, 1.0f, 2);
+    if (g_kv_const) { /* every value 0x3c3c (0.0115): the energy rows' constant caches */
+      CK(cudaMemsetAsync(kv.k, 0x3c, elems * esz, st));
+      CK(cudaMemsetAsync(kv.v, 0x3c, elems * esz, st));
+    }
   }
   const int T = S * n_new;
   std::vector<int32_t> qs(S + 1), cl(S), bt((size_t)S * nb_seq);
@@ -310,9 +324,14 @@ template <int MODE> __global__ void __launch_bounds__(128) stream_smem(const cha
     } else if (MODE == 1) {
       if (tid == 0) pd_mbar_expect(&bar[st], kStageBytes);
       pd_bulk_g2s(dst + tid * kRowPad, src + tid * 256, 256, &bar[st]);
-    } else {
+    } else if (MODE == 2) {
       if (tid == 0) pd_mbar_expect(&bar[st], kStageBytes);
       if (tid < kStageBytes / 4096) pd_bulk_g2s(dst + tid * 4096, src + tid * 4096, 4096, &bar[st]);
+    } else { /* 3: 4 KiB chunks scattered over the buffer (a fixed permutation) */
+      if (tid == 0) pd_mbar_expect(&bar[st], kStageBytes);
+      const size_t nc = tiles * (kStageBytes / 4096), c = t * (kStageBytes / 4096) + tid;
+      if (tid < kStageBytes / 4096)
+        pd_bulk_g2s(dst + tid * 4096, p + (c * 7919u % nc) * 4096, 4096, &bar[st]);
     }
   };
   uint32_t acc = 0;
@@ -334,6 +353,61 @@ template <int MODE> __global__ void __launch_bounds__(128) stream_smem(const cha
     __syncthreads(); /* the stage is read before it is refilled */
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+/* Tensor-map copies into the same stages, as the decode attention's: the buffer as a 2D map of
+ * 256-byte rows (128 bf16), 64 rows x 64 columns (128 bytes) a box, the 128-byte swizzle; four
+ * boxes a stage (two row groups x two column halves). */
+__global__ void __launch_bounds__(128) stream_tma(const __grid_constant__ CUtensorMap tm,
+                                                  size_t tiles, uint32_t *sink) {
+  extern __shared__ __align__(128) unsigned char sm_raw[];
+  __shared__ __align__(8) uint64_t bar[2];
+  unsigned char *sm =
+      sm_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(sm_raw) & 1023u)) & 1023u);
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    pd_mbar_init(&bar[0], 1);
+    pd_mbar_init(&bar[1], 1);
+  }
+  __syncthreads();
+  constexpr int kRows = 64, kRowsStage = kStageBytes / 256;
+  auto issue = [&](size_t t, int st) {
+    if (tid == 0) pd_mbar_expect(&bar[st], kStageBytes);
+    if (tid < kStageBytes / (kRows * 128))
+      pd_tma_load_2d(sm + st * kStageBytes + tid * kRows * 128, &tm, (tid & 1) * 64,
+                     (int)(t * kRowsStage + (tid >> 1) * kRows), &bar[st]);
+  };
+  uint32_t acc = 0;
+  int k = 0;
+  size_t t = blockIdx.x;
+  if (t < tiles) issue(t, 0);
+  for (; t < tiles; t += gridDim.x, k++) {
+    const int st = k & 1;
+    const size_t nt = t + gridDim.x;
+    if (nt < tiles) issue(nt, st ^ 1);
+    pd_mbar_wait(&bar[st], (uint32_t)(k >> 1) & 1);
+    acc ^= *reinterpret_cast<const uint32_t *>(sm + st * kStageBytes + tid * 16);
+    __syncthreads();
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+static bool bench_tmap(CUtensorMap *m, void *base, size_t bytes, CUtensorMapL2promotion promo) {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
+  if (!fn) {
+    void *p = NULL;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return false;
+    fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+  }
+  const cuuint64_t dims[2] = {128, bytes / 256}, strides[1] = {256};
+  const cuuint32_t box[2] = {64, 64}, estr[2] = {1, 1};
+  return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, estr,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 /* --power S "GEMM algo": the M = 256 GEMMs of Llama-3-8B through each of cuBLASLt's first 8
@@ -427,28 +501,57 @@ static int power_main(void) {
     be->ops.free(be, dst);
   }
   {
+    /* each read twice: of bytes 0x01 (no bit changes on the way) and of random bf16 (as weights
+     * and caches are): the energy of moving a byte depends on its bits (H200: +30%) */
     const size_t n = (size_t)2 << 30;
     char *src = (char *)dalloc(n);
     uint32_t *sink = (uint32_t *)dalloc(64);
-    CK(cudaMemsetAsync(src, 1, n, st));
     int sms = 0, dev = 0, major = 0;
     CK(cudaGetDevice(&dev));
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    auto ldg = [&](int) { stream_ldg<<<sms * 8, 256, 0, st>>>((const uint4 *)src, n / 16, sink); };
-    power_run("read", "2 GiB, 16-byte loads to registers", &ldg);
     const size_t tiles = n / kStageBytes;
-    const int smem0 = 2 * kStageBytes, smem1 = 2 * kStageRows * kRowPad;
+    const int smem0 = 2 * kStageBytes, smem1 = 2 * kStageRows * kRowPad, smt = smem0 + 1024;
     CK(cudaFuncSetAttribute(stream_smem<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem0));
-    auto cpa = [&](int) { stream_smem<0><<<sms * 3, 128, smem0, st>>>(src, tiles, sink); };
-    power_run("read", "2 GiB, cp.async 16 B into smem", &cpa);
     if (major >= 9) {
       CK(cudaFuncSetAttribute(stream_smem<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem1));
       CK(cudaFuncSetAttribute(stream_smem<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem0));
-      auto b256 = [&](int) { stream_smem<1><<<sms * 3, 128, smem1, st>>>(src, tiles, sink); };
-      power_run("read", "2 GiB, bulk copies of 256 B rows", &b256);
+      CK(cudaFuncSetAttribute(stream_smem<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem0));
+      CK(cudaFuncSetAttribute(stream_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, smt));
+    }
+    for (int rnd = 0; rnd < 2; rnd++) {
+      if (rnd)
+        fill_bf16<<<4096, 256, 0, st>>>((__nv_bfloat16 *)src, n / 2, 1.0f, 5);
+      else
+        CK(cudaMemsetAsync(src, 1, n, st));
+      const char *what = rnd ? "read random" : "read";
+      auto ldg = [&](int) { stream_ldg<<<sms * 8, 256, 0, st>>>((const uint4 *)src, n / 16, sink); };
+      power_run(what, "2 GiB, 16-byte loads to registers", &ldg);
+      if (!rnd) {
+        auto cpa = [&](int) { stream_smem<0><<<sms * 3, 128, smem0, st>>>(src, tiles, sink); };
+        power_run(what, "2 GiB, cp.async 16 B into smem", &cpa);
+      }
+      if (major < 9) continue;
+      if (!rnd) {
+        auto b256 = [&](int) { stream_smem<1><<<sms * 3, 128, smem1, st>>>(src, tiles, sink); };
+        power_run(what, "2 GiB, bulk copies of 256 B rows", &b256);
+      }
       auto b4k = [&](int) { stream_smem<2><<<sms * 3, 128, smem0, st>>>(src, tiles, sink); };
-      power_run("read", "2 GiB, bulk copies of 4 KiB", &b4k);
+      power_run(what, "2 GiB, bulk copies of 4 KiB", &b4k);
+      if (!rnd) {
+        auto b4s = [&](int) { stream_smem<3><<<sms * 3, 128, smem0, st>>>(src, tiles, sink); };
+        power_run(what, "2 GiB, bulk copies of 4 KiB, scattered", &b4s);
+      }
+      /* tensor-map copies of half rows, as the decode attention's, with and without the L2's
+       * promotion of their 128-byte requests to 256 bytes */
+      for (int promo = rnd; promo < 2; promo++) {
+        CUtensorMap tm;
+        if (!bench_tmap(&tm, src, n, promo ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+                                           : CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
+          continue;
+        auto ft = [&](int) { stream_tma<<<sms * 3, 128, smt, st>>>(tm, tiles, sink); };
+        power_run(what, promo ? "2 GiB, TMA half rows, no L2 promotion" : "2 GiB, TMA half rows, L2 promotion 256 B", &ft);
+      }
     }
     CK(cudaGetLastError());
     be->ops.free(be, src);
@@ -474,6 +577,9 @@ static int power_main(void) {
   double bytes;
   attn_case(256, 1, 1024, 32, 8, 128, 16, PD_DTYPE_BF16, &bytes, "256 seqs x 1024 ctx, bf16");
   attn_case(32, 1, 8192, 32, 8, 128, 16, PD_DTYPE_BF16, &bytes, "32 seqs x 8192 ctx, bf16");
+  g_kv_const = true;
+  attn_case(256, 1, 1024, 32, 8, 128, 16, PD_DTYPE_BF16, &bytes, "256 x 1024, constant caches");
+  g_kv_const = false;
   return 0;
 }
 

@@ -703,7 +703,12 @@ PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn() {
 }
 
 /* The cache at base as a 2D tensor of head_dim columns and num_blocks * n_kv_heads * block_size
- * rows, copied in boxes of 64 columns x min(block_size, 64) rows with the 128-byte swizzle. */
+ * rows, copied in boxes of 64 columns x min(block_size, 64) rows with the 128-byte swizzle.
+ * No L2 promotion: a box's rows are 128-byte halves of the cache rows, and promoting them to
+ * 256-byte L2 requests made the L2 serve 25% more sectors to the SMs and move 50% more across
+ * its two partitions (ncu, H200, 256 x 1k: L2 traffic 2.17 -> 1.63 GB for 1.08 GB of DRAM reads),
+ * which at the 256-sequence step's power limit is time: 16.95 / 17.01 / 16.86 -> 16.78 / 16.82 /
+ * 16.81 ms alternated (pd-bench-cuda --power "read": tensor-map streams 513 -> 469 us a 2 GiB). */
 bool tma_map(CUtensorMap *m, const void *base, const pd_cuda_attn *a) {
   const PFN_cuTensorMapEncodeTiled_v12000 fn = tma_encode_fn();
   if (!fn) return false;
@@ -716,7 +721,7 @@ bool tma_map(CUtensorMap *m, const void *base, const pd_cuda_attn *a) {
             a->kv_dtype == PD_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
             2, const_cast<void *>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
