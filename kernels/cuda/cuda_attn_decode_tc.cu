@@ -706,9 +706,9 @@ PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn() {
  * rows, copied in boxes of 64 columns x min(block_size, 64) rows with the 128-byte swizzle.
  * No L2 promotion: a box's rows are 128-byte halves of the cache rows, and promoting them to
  * 256-byte L2 requests made the L2 serve 25% more sectors to the SMs and move 50% more across
- * its two partitions (ncu, H200, 256 x 1k: L2 traffic 2.17 -> 1.63 GB for 1.08 GB of DRAM reads),
- * which at the 256-sequence step's power limit is time: 16.95 / 17.01 / 16.86 -> 16.78 / 16.82 /
- * 16.81 ms alternated (pd-bench-cuda --power "read": tensor-map streams 513 -> 469 us a 2 GiB). */
+ * its two partitions (ncu, H200, 256 x 1k: L2 traffic 2.17 -> 1.63 GB for 1.08 GB of DRAM
+ * reads). Alternated on one H200: 256 x 1k alone 268.5 -> 254-256 us, the 256-sequence step
+ * 15.72 -> 15.49-15.54 ms (a plain tensor-map stream of half rows: 513 -> 469 us a 2 GiB). */
 bool tma_map(CUtensorMap *m, const void *base, const pd_cuda_attn *a) {
   const PFN_cuTensorMapEncodeTiled_v12000 fn = tma_encode_fn();
   if (!fn) return false;
@@ -717,11 +717,17 @@ bool tma_map(CUtensorMap *m, const void *base, const pd_cuda_attn *a) {
   const cuuint64_t strides[1] = {(cuuint64_t)a->head_dim * 2};
   const cuuint32_t box[2] = {64, (cuuint32_t)(a->block_size < BN ? a->block_size : BN)};
   const cuuint32_t estr[2] = {1, 1};
+  /* PD_CUDA_ATTN_L2_PROMO=256: the 256-byte promotion instead (a measurement switch) */
+  static const CUtensorMapL2promotion promo = [] {
+    const char *ev = getenv("PD_CUDA_ATTN_L2_PROMO");
+    return ev && !strcmp(ev, "256") ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+                                    : CU_TENSOR_MAP_L2_PROMOTION_NONE;
+  }();
   return fn(m,
             a->kv_dtype == PD_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
             2, const_cast<void *>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, promo,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
