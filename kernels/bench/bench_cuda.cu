@@ -299,11 +299,20 @@ __global__ void stream_ldg(const uint4 *p, size_t n, uint32_t *sink) {
 }
 
 /* mode 0: cp.async 16 B a thread (16 a thread a stage); 1: bulk, a 256-byte row a thread (128
- * threads); 2: bulk, 4 KiB a thread for the first 8 threads */
-template <int MODE> __global__ void __launch_bounds__(128) stream_smem(const char *p, size_t tiles,
-                                                                      uint32_t *sink) {
-  extern __shared__ __align__(128) unsigned char sm[];
+ * threads); 2: bulk, 4 KiB a thread for the first 8 threads; 3: the same, the 4 KiB chunks
+ * scattered over the buffer (a fixed permutation); 4: tensor-map copies as the decode
+ * attention's, tm a 2D map of the buffer as 256-byte rows (128 bf16), a box 64 rows x 64
+ * columns (128 bytes) with the 128-byte swizzle, four boxes a stage (two row groups x two
+ * column halves) */
+template <int MODE>
+__global__ void __launch_bounds__(128) stream_smem(const char *p, size_t tiles, uint32_t *sink,
+                                                   const __grid_constant__ CUtensorMap tm) {
+  extern __shared__ __align__(128) unsigned char sm_raw[];
   __shared__ __align__(8) uint64_t bar[2];
+  /* (mode 4: the stages at the swizzle's 1024-byte period) */
+  unsigned char *sm =
+      sm_raw + (MODE == 4 ? (1024u - ((uint32_t)__cvta_generic_to_shared(sm_raw) & 1023u)) & 1023u
+                          : 0u);
   constexpr int STAGE = MODE == 1 ? kStageRows * kRowPad : kStageBytes;
   const int tid = threadIdx.x;
   if (MODE > 0 && tid == 0) {
@@ -327,11 +336,17 @@ template <int MODE> __global__ void __launch_bounds__(128) stream_smem(const cha
     } else if (MODE == 2) {
       if (tid == 0) pd_mbar_expect(&bar[st], kStageBytes);
       if (tid < kStageBytes / 4096) pd_bulk_g2s(dst + tid * 4096, src + tid * 4096, 4096, &bar[st]);
-    } else { /* 3: 4 KiB chunks scattered over the buffer (a fixed permutation) */
+    } else if (MODE == 3) {
       if (tid == 0) pd_mbar_expect(&bar[st], kStageBytes);
       const size_t nc = tiles * (kStageBytes / 4096), c = t * (kStageBytes / 4096) + tid;
       if (tid < kStageBytes / 4096)
         pd_bulk_g2s(dst + tid * 4096, p + (c * 7919u % nc) * 4096, 4096, &bar[st]);
+    } else {
+      constexpr int kRows = 64;
+      if (tid == 0) pd_mbar_expect(&bar[st], kStageBytes);
+      if (tid < kStageBytes / (kRows * 128))
+        pd_tma_load_2d(dst + tid * kRows * 128, &tm, (tid & 1) * 64,
+                       (int)(t * (kStageBytes / 256) + (tid >> 1) * kRows), &bar[st]);
     }
   };
   uint32_t acc = 0;
@@ -351,43 +366,6 @@ template <int MODE> __global__ void __launch_bounds__(128) stream_smem(const cha
     }
     acc ^= *reinterpret_cast<const uint32_t *>(sm + st * STAGE + tid * (MODE == 1 ? kRowPad : 16));
     __syncthreads(); /* the stage is read before it is refilled */
-  }
-  if (acc == 0x9e3779b9u) sink[0] = acc;
-}
-
-/* Tensor-map copies into the same stages, as the decode attention's: the buffer as a 2D map of
- * 256-byte rows (128 bf16), 64 rows x 64 columns (128 bytes) a box, the 128-byte swizzle; four
- * boxes a stage (two row groups x two column halves). */
-__global__ void __launch_bounds__(128) stream_tma(const __grid_constant__ CUtensorMap tm,
-                                                  size_t tiles, uint32_t *sink) {
-  extern __shared__ __align__(128) unsigned char sm_raw[];
-  __shared__ __align__(8) uint64_t bar[2];
-  unsigned char *sm =
-      sm_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(sm_raw) & 1023u)) & 1023u);
-  const int tid = threadIdx.x;
-  if (tid == 0) {
-    pd_mbar_init(&bar[0], 1);
-    pd_mbar_init(&bar[1], 1);
-  }
-  __syncthreads();
-  constexpr int kRows = 64, kRowsStage = kStageBytes / 256;
-  auto issue = [&](size_t t, int st) {
-    if (tid == 0) pd_mbar_expect(&bar[st], kStageBytes);
-    if (tid < kStageBytes / (kRows * 128))
-      pd_tma_load_2d(sm + st * kStageBytes + tid * kRows * 128, &tm, (tid & 1) * 64,
-                     (int)(t * kRowsStage + (tid >> 1) * kRows), &bar[st]);
-  };
-  uint32_t acc = 0;
-  int k = 0;
-  size_t t = blockIdx.x;
-  if (t < tiles) issue(t, 0);
-  for (; t < tiles; t += gridDim.x, k++) {
-    const int st = k & 1;
-    const size_t nt = t + gridDim.x;
-    if (nt < tiles) issue(nt, st ^ 1);
-    pd_mbar_wait(&bar[st], (uint32_t)(k >> 1) & 1);
-    acc ^= *reinterpret_cast<const uint32_t *>(sm + st * kStageBytes + tid * 16);
-    __syncthreads();
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
@@ -512,12 +490,13 @@ static int power_main(void) {
     CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     const size_t tiles = n / kStageBytes;
     const int smem0 = 2 * kStageBytes, smem1 = 2 * kStageRows * kRowPad, smt = smem0 + 1024;
+    const CUtensorMap no_map = {};
     CK(cudaFuncSetAttribute(stream_smem<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem0));
     if (major >= 9) {
       CK(cudaFuncSetAttribute(stream_smem<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem1));
       CK(cudaFuncSetAttribute(stream_smem<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem0));
       CK(cudaFuncSetAttribute(stream_smem<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem0));
-      CK(cudaFuncSetAttribute(stream_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, smt));
+      CK(cudaFuncSetAttribute(stream_smem<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smt));
     }
     for (int rnd = 0; rnd < 2; rnd++) {
       if (rnd)
@@ -525,32 +504,30 @@ static int power_main(void) {
       else
         CK(cudaMemsetAsync(src, 1, n, st));
       const char *what = rnd ? "read random" : "read";
-      auto ldg = [&](int) { stream_ldg<<<sms * 8, 256, 0, st>>>((const uint4 *)src, n / 16, sink); };
+      auto ldg = [&](int) {
+        stream_ldg<<<sms * 8, 256, 0, st>>>((const uint4 *)src, n / 16, sink);
+      };
       power_run(what, "2 GiB, 16-byte loads to registers", &ldg);
-      if (!rnd) {
-        auto cpa = [&](int) { stream_smem<0><<<sms * 3, 128, smem0, st>>>(src, tiles, sink); };
-        power_run(what, "2 GiB, cp.async 16 B into smem", &cpa);
-      }
+      /* a stream_smem mode, 3 blocks an SM */
+      auto staged = [&](decltype(&stream_smem<0>) kern, int smem, const CUtensorMap &m,
+                        const char *shape) {
+        auto f = [&](int) { kern<<<sms * 3, 128, smem, st>>>(src, tiles, sink, m); };
+        power_run(what, shape, &f);
+      };
+      if (!rnd) staged(stream_smem<0>, smem0, no_map, "2 GiB, cp.async 16 B into smem");
       if (major < 9) continue;
-      if (!rnd) {
-        auto b256 = [&](int) { stream_smem<1><<<sms * 3, 128, smem1, st>>>(src, tiles, sink); };
-        power_run(what, "2 GiB, bulk copies of 256 B rows", &b256);
-      }
-      auto b4k = [&](int) { stream_smem<2><<<sms * 3, 128, smem0, st>>>(src, tiles, sink); };
-      power_run(what, "2 GiB, bulk copies of 4 KiB", &b4k);
-      if (!rnd) {
-        auto b4s = [&](int) { stream_smem<3><<<sms * 3, 128, smem0, st>>>(src, tiles, sink); };
-        power_run(what, "2 GiB, bulk copies of 4 KiB, scattered", &b4s);
-      }
+      if (!rnd) staged(stream_smem<1>, smem1, no_map, "2 GiB, bulk copies of 256 B rows");
+      staged(stream_smem<2>, smem0, no_map, "2 GiB, bulk copies of 4 KiB");
+      if (!rnd) staged(stream_smem<3>, smem0, no_map, "2 GiB, bulk copies of 4 KiB, scattered");
       /* tensor-map copies of half rows, as the decode attention's, with and without the L2's
        * promotion of their 128-byte requests to 256 bytes */
       for (int promo = rnd; promo < 2; promo++) {
         CUtensorMap tm;
-        if (!bench_tmap(&tm, src, n, promo ? CU_TENSOR_MAP_L2_PROMOTION_NONE
-                                           : CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
-          continue;
-        auto ft = [&](int) { stream_tma<<<sms * 3, 128, smt, st>>>(tm, tiles, sink); };
-        power_run(what, promo ? "2 GiB, TMA half rows, no L2 promotion" : "2 GiB, TMA half rows, L2 promotion 256 B", &ft);
+        if (bench_tmap(&tm, src, n, promo ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+                                          : CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
+          staged(stream_smem<4>, smt, tm,
+                 promo ? "2 GiB, TMA half rows, no L2 promotion"
+                       : "2 GiB, TMA half rows, L2 promotion 256 B");
       }
     }
     CK(cudaGetLastError());
