@@ -22,12 +22,13 @@
  * GEMMs, the decode attention, a plain copy, the batch-1 GEMV, the idle GPU) each repeated for
  * SECONDS, with the board's energy counter and SM clock read through NVML (libnvidia-ml, loaded
  * at run time): time per call, mean power, energy per call and the SM clock the power limit left
- * it (WHAT: only the rows whose first column starts so, e.g. "decode"; "GEMM algo": instead, the
- * M = 256 GEMMs through each of cuBLASLt's first 8 heuristic algorithms). What a step costs in
- * joules is what bounds it when the board runs at its power cap. The plain reads and the decode
- * attention run on random bf16 and on constant bytes too: moving random bits costs ~30% more
- * (H200: 2 GiB at 4.5 TB/s draw ~460 W of bytes 0x01 and ~610 W of random bf16), so only the
- * random rows say what weights and caches cost. */
+ * it (WHAT: only the rows whose first column, or first column and shape, starts so, e.g.
+ * "decode" or "decode attn 256 seqs"; "GEMM algo": instead, the M = 256 GEMMs through each of
+ * cuBLASLt's first 8 heuristic algorithms). What a step costs in joules is what bounds it when
+ * the board runs at its power cap. The plain reads and the decode attention run on random bf16
+ * and on constant bytes: moving random bits costs 30-40% more (H200: 2 GiB read at 4.5 TB/s
+ * draw 390-490 W of bytes 0x01 and 545-640 W of random bf16), so only the random rows say what
+ * weights and caches cost. */
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
