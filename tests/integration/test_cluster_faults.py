@@ -143,7 +143,7 @@ def part_decode(c, chk):
 
 
 def long_prompt(i):
-    lines = [f"value_{i}_{k} = compute({k}, {i * k})\n" for k in range(120)]
+    lines = [f"value_{i}_{k} = compute({k}, {i * k})\n" for k in range(60)]
     return "".join(lines)
 
 
@@ -159,7 +159,7 @@ def part_prefill(c, chk):
     m0 = metric(c, "pd_router_retries_total")
 
     def go(p):
-        r = requests.post(c.url + "/v1/completions", timeout=120,
+        r = requests.post(c.url + "/v1/completions", timeout=300,
                           json={"prompt": p, "max_tokens": 8, "temperature": 0})
         return r.status_code, (r.json()["choices"][0]["text"] if r.status_code == 200 else r.text)
 
@@ -248,8 +248,12 @@ def main():
     rc = 0
     parts = [
         (part_decode, pc.Cluster(a.build)),
+        # (the surviving prefill node takes all eight prompts one after the other; under the
+        # sanitizers on two busy cores that is minutes, so its reservations get a TTL that
+        # outlasts it: expiry is part_stall's subject, not this part's)
         (part_prefill, pc.Cluster(a.build, prefill_args=["--max-batch-tokens", "32",
-                                                         "--no-prefix-cache"])),
+                                                         "--no-prefix-cache"],
+                                  router_args=["--kv-ttl-ms", "300000"])),
         (part_stall, pc.Cluster(a.build, router_args=["--kv-ttl-ms", "1500",
                                                       "--heartbeat-timeout-ms", "30000"])),
     ]
