@@ -90,6 +90,7 @@ rreq *api_req_new(router *r, api_kind kind) {
   q->next_all = r->all;
   if (r->all) r->all->prev_all = q;
   r->all = q;
+  r->n_live++;
   return q;
 }
 
@@ -119,11 +120,16 @@ void api_req_free(router *r, rreq *q) {
     free(q->wire_sp);
   }
   pd_oai_params_free(&q->op);
-  if (q->http) {
-    pd_http_req_on_cancel(q->http, NULL, NULL);
-    pd_http_req_unref(q->http);
-  }
+  api_http_release(q);
+  r->n_live--;
   free(q);
+}
+
+void api_http_release(rreq *q) {
+  if (!q->http) return;
+  pd_http_req_on_cancel(q->http, NULL, NULL);
+  pd_http_req_unref(q->http);
+  q->http = NULL;
 }
 
 void api_cancel(router *r, rreq *q) {
@@ -832,10 +838,6 @@ static int first_error(rreq *q) {
   return -1;
 }
 
-static void finish_http(rreq *q) {
-  pd_http_req_unref(q->http);
-  q->http = NULL;
-}
 
 void api_http_req_done(router *r, rreq *q) {
   if (!q->http) return;
@@ -854,14 +856,14 @@ void api_http_req_done(router *r, rreq *q) {
       generate_stream_update(r, q);
     }
     pd_http_stream_end(q->http, NULL);
-    finish_http(q);
+    api_http_release(q);
     return;
   }
   if (fe >= 0) {
     rsub *s = &q->subs[fe];
     int status = api_http_status(s->err_code);
     respond_err(r, q->http, q->kind, status, s->err_msg, api_error_code_str(s->err_code));
-    finish_http(q);
+    api_http_release(q);
     return;
   }
   if (q->stream) { /* nothing was streamed: an empty stream that ends properly */
@@ -872,7 +874,7 @@ void api_http_req_done(router *r, rreq *q) {
       else pd_http_sse_event(q->http, NULL, "[DONE]", NULL);
       pd_http_stream_end(q->http, NULL);
     }
-    finish_http(q);
+    api_http_release(q);
     return;
   }
   cJSON *o;
@@ -943,7 +945,7 @@ void api_http_req_done(router *r, rreq *q) {
   respond_json(q->http, 200, o, q->id);
   rmetrics_request(r, api_name(q->kind), 200);
   cJSON_Delete(o);
-  finish_http(q);
+  api_http_release(q);
 }
 
 /* ---- handlers ---- */
@@ -956,12 +958,19 @@ static void on_cancel(pd_http_req *req, void *ud) {
     pd_log(PD_LOG_DEBUG, "%s: client went away", q->id);
     api_cancel(r, q);
   }
-  if (q->http) {
-    pd_http_req_unref(q->http);
-    q->http = NULL;
-  }
+  api_http_release(q);
   route_dispatch(r);
   router_gc(r);
+}
+
+/* The request's hold on its HTTP exchange: one reference and the cancel callback, taken and
+ * dropped together (api_http_release). Whatever ends the exchange first (the response ended,
+ * the client gone, the request freed) drops both, so the server never calls back into a freed
+ * request. PD_EIO when the client is already gone (nothing is held then). */
+static pd_status api_http_hold(rreq *q, pd_http_req *req) {
+  if (pd_http_req_on_cancel(req, on_cancel, q) != PD_OK) return PD_EIO;
+  q->http = pd_http_req_ref(req);
+  return PD_OK;
 }
 
 static void handle_generation(router *r, pd_http_req *req, const pd_http_request *msg,
@@ -1036,11 +1045,8 @@ static void handle_generation(router *r, pd_http_req *req, const pd_http_request
     router_retire(r, q);
     return;
   }
-  q->http = pd_http_req_ref(req);
-  if (pd_http_req_on_cancel(req, on_cancel, q) != PD_OK) {
+  if (api_http_hold(q, req) != PD_OK) {
     api_cancel(r, q);
-    pd_http_req_unref(q->http);
-    q->http = NULL;
     return;
   }
   for (int i = 0; i < q->n_prompts; i++) pd_metric_add(r->m.prompt_tokens, q->prompts[i].n);

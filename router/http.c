@@ -550,7 +550,7 @@ uint64_t pd_http_req_id(const pd_http_req *r) { return r->id; }
 const char *pd_http_req_peer(const pd_http_req *r) { return r->peer; }
 
 pd_status pd_http_req_on_cancel(pd_http_req *r, pd_http_cancel_fn fn, void *ud) {
-  if (!r->c && r->rstate != R_DONE) return PD_EIO;
+  if (fn && !r->c && r->rstate != R_DONE) return PD_EIO;
   r->cancel_fn = fn;
   r->cancel_ud = ud;
   return PD_OK;

@@ -133,7 +133,10 @@ uint64_t pd_http_req_id(const pd_http_req *r);     /* unique per server, from 1 
 const char *pd_http_req_peer(const pd_http_req *r); /* "127.0.0.1:50312", "[::1]:5000" */
 
 /* Sets (or clears, fn NULL) the cancel callback. PD_EIO if the request is already detached
- * (the client is gone): the callback will never run. */
+ * (the client is gone): the callback will never run. Clearing always succeeds: a handler that
+ * lets go of a request clears its callback first, so that the server never calls into state the
+ * handler has freed (a response ended while the client was going away leaves the request
+ * detachable until its connection closes). */
 pd_status pd_http_req_on_cancel(pd_http_req *r, pd_http_cancel_fn fn, void *ud);
 /* True while the client is attached and the response can still be sent. */
 bool pd_http_req_connected(const pd_http_req *r);

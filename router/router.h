@@ -263,6 +263,9 @@ cJSON *lp_append(router *r, rreq *q, cJSON *acc, const pd_logprobs *lps, int n, 
 /* api.c */
 void api_http_handler(pd_http_req *req, const pd_http_request *msg, void *ud);
 void api_req_free(router *r, rreq *q);
+/* Drops q's reference to its HTTP exchange together with the cancel callback (no-op when none
+ * is held). */
+void api_http_release(rreq *q);
 /* Ends every choice of q now (client gone or cancelled): aborts them on the nodes, no more
  * output. Safe to call at a safe point only. */
 void api_cancel(router *r, rreq *q);
@@ -291,7 +294,7 @@ void zapi_forget(router *r, rreq *q); /* drops q from the client-id map */
 typedef struct router_metrics {
   pd_metrics *reg;
   pd_metric *ttft, *itl, *e2e, *queue_len, *running, *gen_tokens, *prompt_tokens, *migrations,
-      *retries, *nodes_prefill, *nodes_decode, *http_conns, *cached_tokens;
+      *retries, *nodes_prefill, *nodes_decode, *http_conns, *cached_tokens, *live;
 } router_metrics;
 
 void rmetrics_init(router *r);
@@ -325,6 +328,7 @@ struct router {
   /* requests */
   rreq *all;
   rreq *gc;
+  int n_live; /* request objects not yet freed (the list `all`) */
   uint64_t next_req;
   smap subs_by_wire;   /* wire id -> rsub */
   smap zreqs;          /* "<hex routing id>/<client id>" -> rreq */
