@@ -25,7 +25,7 @@ typedef struct runner {
 
 /* Feeds tokens [0,n) as new tokens of the sequence in chunks of `chunk`; writes the logits of
  * all n rows into all_logits (if not NULL) and of the last row into last. Exits on failure. */
-static void feed(runner *r, const int32_t *toks, int n, int chunk, float *all_logits,
+static inline void feed(runner *r, const int32_t *toks, int n, int chunk, float *all_logits,
                  float *last) {
   int32_t pos[GOLDEN_MAX_CTX], slots[GOLDEN_MAX_CTX], rows[GOLDEN_MAX_CTX];
   REQUIRE(chunk <= GOLDEN_MAX_CTX);
@@ -56,7 +56,7 @@ static void feed(runner *r, const int32_t *toks, int n, int chunk, float *all_lo
 }
 
 /* Index of the largest value; *gap (if not NULL) gets top-1 minus top-2. */
-static int argmax(const float *x, int n, float *gap) {
+static inline int argmax(const float *x, int n, float *gap) {
   int b = 0;
   for (int i = 1; i < n; i++)
     if (x[i] > x[b]) b = i;
@@ -67,7 +67,7 @@ static int argmax(const float *x, int n, float *gap) {
   return b;
 }
 
-static double logsumexp(const float *x, int n) {
+static inline double logsumexp(const float *x, int n) {
   double mx = x[0], s = 0;
   for (int i = 1; i < n; i++)
     if (x[i] > mx) mx = x[i];
@@ -77,7 +77,7 @@ static double logsumexp(const float *x, int n) {
 
 /* max |a - ref| / max |ref|; *abs_err (if not NULL) gets max |a - ref|. NaN counts as
  * infinitely wrong. */
-static double rel_err(const float *a, const float *ref, int n, double *abs_err) {
+static inline double rel_err(const float *a, const float *ref, int n, double *abs_err) {
   double md = 0, mr = 0;
   for (int i = 0; i < n; i++) {
     double d = fabs((double)a[i] - ref[i]);
@@ -90,7 +90,7 @@ static double rel_err(const float *a, const float *ref, int n, double *abs_err) 
 }
 
 /* A JSON array of numbers into out[0..cap); returns the count. */
-static int ints(const cJSON *arr, int32_t *out, int cap) {
+static inline int ints(const cJSON *arr, int32_t *out, int cap) {
   int n = 0;
   const cJSON *it;
   cJSON_ArrayForEach(it, arr) {

@@ -28,8 +28,9 @@ constexpr int kTilesInitial = 4096;                  /* tile prefix sums: sequen
 thread_local int tl_dev = -1;
 
 void use_device(cuda_impl *c) { pd_cuda_use_device(c); }
+/* Scratch of the forward's ops, which decode graphs record. */
 void grow(cuda_impl *c, void **buf, size_t *size, size_t bytes) {
-  pd_cuda_grow(c, buf, size, bytes);
+  pd_cuda_grow(c, buf, size, bytes, true);
 }
 
 bool float_dtype(pd_dtype t) {
@@ -88,12 +89,38 @@ void pd_cuda_use_device(cuda_impl *c) {
   }
 }
 
-void pd_cuda_grow(cuda_impl *c, void **buf, size_t *size, size_t bytes) {
+void pd_cuda_free_retired(cuda_impl *c) {
+  for (int i = 0; i < c->n_retired; i++) cudaFree(c->retired[i]);
+  free(c->retired);
+  c->retired = NULL;
+  c->n_retired = c->cap_retired = 0;
+}
+
+/* Keeps p for the graphs that may read it; false when the list cannot grow (p is then kept
+ * for good: a leak is better than a replay into freed memory). */
+static bool retire(cuda_impl *c, void *p) {
+  if (c->n_retired == c->cap_retired) {
+    const int cap = c->cap_retired ? 2 * c->cap_retired : 8;
+    void **v = static_cast<void **>(realloc(c->retired, (size_t)cap * sizeof *v));
+    if (!v) return false;
+    c->retired = v;
+    c->cap_retired = cap;
+  }
+  c->retired[c->n_retired++] = p;
+  return true;
+}
+
+void pd_cuda_grow(cuda_impl *c, void **buf, size_t *size, size_t bytes, bool in_graphs) {
   if (bytes <= *size) return;
   PD_ASSERT(!c->capturing && "cuda backend: scratch must not grow during a graph capture");
+  const bool keep = in_graphs && c->n_graphs > 0 && *buf;
   bytes += bytes / 4;
+  if (keep && bytes < 2 * *size) bytes = 2 * *size;
   CK(c, cudaStreamSynchronize(c->st));
-  CK(c, cudaFree(*buf));
+  if (!keep) CK(c, cudaFree(*buf));
+  else if (!retire(c, *buf))
+    fprintf(stderr, "pdserve cuda backend: out of host memory: %zu bytes of scratch stay "
+            "allocated\n", *size);
   *buf = NULL;
   *size = 0;
   cudaError_t r = cudaMalloc(buf, bytes);
@@ -882,6 +909,7 @@ void cu_destroy(pd_backend *be) {
     cudaFree(c->ho_ss[0]);
     cudaFree(c->tiles);
     pd_cuda_free_extras(c);
+    pd_cuda_free_retired(c);
     for (int i = 0; i < 2; i++) {
       if (c->pin[i]) cudaFreeHost(c->pin[i]);
       if (c->pin_ev[i]) cudaEventDestroy(c->pin_ev[i]);

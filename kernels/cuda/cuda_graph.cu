@@ -1,7 +1,9 @@
 /* Graphs: the engine records a decode step once per batch shape and replays it, so that a step
  * costs one launch instead of hundreds (CUDA graphs, stream capture in relaxed mode: cuBLAS and
  * our kernels are capturable; nothing may sync, allocate or grow scratch while capturing, which
- * pd_cuda_grow asserts). */
+ * pd_cuda_grow asserts). A graph holds the addresses of the scratch its ops used: scratch that
+ * grows later (a larger batch's first, eager run) keeps its old buffer until every graph is
+ * freed (pd_cuda_grow, c->n_graphs). */
 #include "cuda_state.h"
 
 namespace {
@@ -46,6 +48,7 @@ void *cu_capture_end(pd_backend *be) {
     if (x) cudaGraphExecDestroy(x);
     return NULL;
   }
+  c->n_graphs++; /* its scratch addresses stay valid until it is freed (pd_cuda_grow) */
   return x;
 }
 
@@ -62,6 +65,7 @@ void cu_graph_free(pd_backend *be, void *graph) {
   pd_cuda_use_device(c);
   cudaStreamSynchronize(c->st);
   cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph));
+  if (c->n_graphs > 0 && --c->n_graphs == 0) pd_cuda_free_retired(c);
 }
 
 } // namespace

@@ -240,7 +240,7 @@ bool batch(cuda_impl *c, cudaStream_t s, bool gather, void *host, const void *ba
            const int32_t *ids, int n, size_t stride, size_t offset, size_t seg_bytes) {
   const size_t ids_bytes = align_up((size_t)n * sizeof(int32_t), kIdsAlign);
   const size_t data = (size_t)n * seg_bytes;
-  pd_cuda_grow(c, &c->stage_dev, &c->stage_dev_size, ids_bytes + data);
+  pd_cuda_grow(c, &c->stage_dev, &c->stage_dev_size, ids_bytes + data, false);
   int32_t *d_ids = static_cast<int32_t *>(c->stage_dev);
   char *d_data = static_cast<char *>(c->stage_dev) + ids_bytes;
   /* ids are pageable host memory as a rule: the copy has read them when this returns */
@@ -440,7 +440,7 @@ void kv_stage_runs(pd_backend *be, bool gather, void *host, const pd_kv_run *run
     if (nd == 0) return; /* only empty runs were left */
     const size_t tbl = (size_t)nd * sizeof(RunDesc) + (size_t)nid * sizeof(int32_t);
     const size_t tbl_pad = align_up(tbl, kIdsAlign);
-    pd_cuda_grow(c, &c->stage_dev, &c->stage_dev_size, tbl_pad + 16 + (hi - lo));
+    pd_cuda_grow(c, &c->stage_dev, &c->stage_dev_size, tbl_pad + 16 + (hi - lo), false);
     char *d_tbl = static_cast<char *>(c->stage_dev);
     char *d_data = d_tbl + tbl_pad + ((uintptr_t)h + lo) % 16;
     /* the table, in pin[1] (free: nothing is pending on it between calls or batches) */

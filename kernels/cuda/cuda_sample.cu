@@ -1231,7 +1231,7 @@ void cu_sample(pd_backend *be, pd_dev_sample_out *out, const float *logits, int 
     return;
   }
   pd_cuda_grow(c, &c->smp_dev, &c->smp_dev_size,
-               rows_b + edits_b + out_b + (size_t)slots * row_bytes);
+               rows_b + edits_b + out_b + (size_t)slots * row_bytes, false);
   char *hb = static_cast<char *>(c->smp_host), *db = static_cast<char *>(c->smp_dev);
   Row *hr = reinterpret_cast<Row *>(hb);
   pd_dev_sample_out *ho = reinterpret_cast<pd_dev_sample_out *>(hb + rows_b + edits_b);

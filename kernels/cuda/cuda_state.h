@@ -31,6 +31,13 @@ struct cuda_impl {
                  * only inside one op, which leaves no copy pending on them when it returns */
   cudaEvent_t pin_ev[2];
   bool capturing; /* a graph capture is open on st: nothing may sync or grow */
+  /* graphs recorded on this backend and not yet freed, and the scratch buffers they may still
+   * read: a buffer that grows while graphs exist is retired, not freed (a replay of an older
+   * graph would read or write freed memory), and retired buffers are freed once no graph is
+   * left (cu_graph_free, destroy) */
+  int n_graphs;
+  void **retired;
+  int n_retired, cap_retired;
   /* device sampling (cuda_sample.cu) */
   void *smp_dev;   /* specs, edits, outputs, scratch on the device */
   size_t smp_dev_size;
@@ -92,8 +99,13 @@ bool pd_cuda_ckb(cuda_impl *c, cublasStatus_t r, const char *what, const char *f
 void pd_cuda_use_device(cuda_impl *c);
 
 /* Grows a device buffer to at least `bytes` (25% headroom), after a stream sync; fatal when the
- * device is out of memory. Must not run during a graph capture. */
-void pd_cuda_grow(cuda_impl *c, void **buf, size_t *size, size_t bytes);
+ * device is out of memory. Must not run during a graph capture. in_graphs: recorded graphs may
+ * hold the buffer's address (scratch of ops that decode graphs record): while any graph exists
+ * the old buffer is retired instead of freed, and the new one is at least twice as large, so
+ * that the retired ones add up to less than it. */
+void pd_cuda_grow(cuda_impl *c, void **buf, size_t *size, size_t bytes, bool in_graphs);
+/* Frees the retired scratch buffers (no graph may be left that reads them). */
+void pd_cuda_free_retired(cuda_impl *c);
 
 /* Ops implemented outside cuda_backend.cu, registered by pd_backend_cuda_create. */
 void pd_cuda_register_sample(pd_backend *be);  /* cuda_sample.cu */

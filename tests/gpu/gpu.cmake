@@ -16,3 +16,7 @@ endforeach()
 # Device sampling (be->ops.sample) against the CPU sampler.
 pd_add_test(NAME test_cuda_sample SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_sample.c
             LABELS gpu TIMEOUT 600)
+# Decode graphs recorded and replayed as a decode node's batch grows and shrinks (every bucket,
+# tables of 8 to 128 blocks), each step against an eager engine; `short` for compute-sanitizer.
+pd_add_test(NAME test_cuda_graph_shapes SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_graph_shapes.c
+            LABELS gpu TIMEOUT 900)
