@@ -471,7 +471,7 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
     pd_status st = pd_node_kv_unpack(n, &s, r->blocks, r->nb, off, buf, len, &e);
     if (st == PD_EBACKEND) { /* the device failed, not the message */
       pd_metric_add(g.m_errors_internal, 1);
-      fail_req(r, PD__ERROR_CODE__ERROR_CODE_INTERNAL, e.msg);
+      if (!pd_node_check_device(n)) fail_req(r, PD__ERROR_CODE__ERROR_CODE_INTERNAL, e.msg);
       return;
     }
     if (st != PD_OK) {
@@ -618,7 +618,10 @@ static void end_step(pd_node *n, int64_t t0) {
   pd_err e = {0};
   if (pd_sched_step_end(n->rt.sched, &e) != PD_OK) {
     pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
-    fail_active(e.msg);
+    /* a failed device takes the node out of the cluster: the router moves its requests */
+    if (!pd_node_check_device(n)) fail_active(e.msg);
+  } else {
+    pd_node_check_device(n);
   }
   g.last_step_s = (double)(pd_now_ms() - t0) / 1000.0;
   pd_metric_observe(n->m_step_seconds, g.last_step_s);
@@ -745,7 +748,7 @@ int main(int argc, char **argv) {
       step_t0 = pd_now_ms();
       if (pd_sched_step_begin(sched, &started, &e) != PD_OK) {
         pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
-        fail_active(e.msg);
+        if (!pd_node_check_device(n)) fail_active(e.msg);
       }
       if (started && !overlap) end_step(n, step_t0);
       acted = true;
@@ -759,16 +762,17 @@ int main(int argc, char **argv) {
       next_metrics = pd_now_ms() + 250;
     }
   }
-  if (pd_sched_step_in_flight(sched)) {
+  const bool dead = n->device_failed; /* deregistered already; nothing it computes counts */
+  if (!dead && pd_sched_step_in_flight(sched)) {
     end_step(n, step_t0);
     flush_all();
     pd_outbox_flush(&n->router);
   }
   pd_log(PD_LOG_INFO, "shutting down");
-  pd_node_deregister(n, "shutdown", 500);
+  if (!dead) pd_node_deregister(n, "shutdown", 500);
   on_router_reset(n);
   free(g.reqs);
   pd_net_close(g.kv_sock);
   pd_node_close(n);
-  return 0;
+  return dead ? PD_NODE_EXIT_DEVICE : 0;
 }

@@ -432,7 +432,10 @@ static void on_event(void *user, const pd_sched_event *ev) {
   if (ev->finish == PD_FINISH_NONE) {
     if (r->has_dest) {
       pd_err e = {0};
-      if (ship_kv(r, ev, ev->logprobs ? &lp : NULL, &e) != PD_OK) {
+      pd_status st = ship_kv(r, ev, ev->logprobs ? &lp : NULL, &e);
+      if (st == PD_EBACKEND && pd_node_check_device(n)) {
+        /* the node leaves the cluster: the router retries the prompt elsewhere */
+      } else if (st != PD_OK) {
         pd_metric_add(g.m_errors_kv, 1);
         pd_log(PD_LOG_ERROR, "%s: cannot ship KV: %s", r->id, e.msg);
         pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INTERNAL, r->id, true,
@@ -684,7 +687,10 @@ int main(int argc, char **argv) {
       int64_t t0 = pd_now_ms();
       if (pd_sched_step(n->rt.sched, &e) != PD_OK) {
         pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
-        fail_all(e.msg);
+        /* a failed device takes the node out of the cluster: the router retries its prompts */
+        if (!pd_node_check_device(n)) fail_all(e.msg);
+      } else {
+        pd_node_check_device(n);
       }
       pd_metric_observe(n->m_step_seconds, (double)(pd_now_ms() - t0) / 1000.0);
       pd_node_update_metrics(n); /* O(1): scrapes see every step */
@@ -695,12 +701,13 @@ int main(int argc, char **argv) {
       next_metrics = pd_now_ms() + 250;
     }
   }
+  const bool dead = n->device_failed; /* deregistered already */
   pd_log(PD_LOG_INFO, "shutting down");
-  pd_node_deregister(n, "shutdown", 500);
+  if (!dead) pd_node_deregister(n, "shutdown", 500);
   on_router_reset(n);
   while (g.n_links) link_close(g.n_links - 1);
   free(g.links);
   free(g.reqs);
   pd_node_close(n);
-  return 0;
+  return dead ? PD_NODE_EXIT_DEVICE : 0;
 }

@@ -734,7 +734,6 @@ pd_status pd_engine_submit(pd_engine *g, const pd_batch *b, pd_err *e) {
 }
 
 pd_status pd_engine_finish(pd_engine *g, const pd_batch *b, float *logits, pd_err *e) {
-  (void)e;
   const double t0 = now_s();
   pd_backend *be = g->be;
   const int n_host = b->n_logits - b->n_sample;
@@ -747,6 +746,10 @@ pd_status pd_engine_finish(pd_engine *g, const pd_batch *b, float *logits, pd_er
     be->ops.to_host(be, logits, g->logits, (size_t)n_host * g->V * sizeof(float));
   be->ops.sync(be);
   g->forward_s += now_s() - t0;
+  /* a device that faulted (sticky) leaves logits and samples undefined: say so instead */
+  pd_err be_err = {0};
+  if (pd_backend_status(be, &be_err) != PD_OK)
+    return pd_err_set(e, PD_EBACKEND, "the device failed: %s", be_err.msg);
   return PD_OK;
 }
 

@@ -56,10 +56,14 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
        "decode: admit only these public keys on the KV port", NULL},
       {"ready-file", PD_OPT_STR, &o->ready_file, "PATH",
        "write a JSON status file once registered", NULL},
+      {"fail-device-after", PD_OPT_INT, &o->fail_device_after, "N",
+       "testing: make the device fail after N steps (a trapping kernel on a GPU), to exercise "
+       "what follows: the node leaves the cluster and exits with status 3 (0 = never)",
+       NULL},
       {"verbose", PD_OPT_BOOL, &o->verbose, NULL, "debug logs", NULL},
       {"help", PD_OPT_BOOL, &o->help, NULL, "show this help", NULL},
   };
-  int n0 = 18;
+  int n0 = 19;
   if (pd_runtime_opts_table(&o->rt, opts + n0, 48 - n0) < 0) return 1;
   const char *prog = decode ? "pd-decode" : "pd-prefill";
   pd_err e = {0};
@@ -78,6 +82,10 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   }
   if (o->kv_port < 0 || o->kv_port > 65535 || o->metrics_port < -1 || o->metrics_port > 65535) {
     fprintf(stderr, "%s: ports must be in [0, 65535] (--metrics-port -1 = off)\n", prog);
+    return 1;
+  }
+  if (o->fail_device_after < 0) {
+    fprintf(stderr, "%s: --fail-device-after must be at least 0\n", prog);
     return 1;
   }
   if (o->kv_chunk_mb < 1 || o->kv_chunk_mb > 64) {
@@ -435,6 +443,33 @@ int64_t pd_node_tick(pd_node *n) {
   return wait < 0 ? 0 : wait;
 }
 
+bool pd_node_check_device(pd_node *n) {
+  if (n->device_failed) return true;
+  pd_backend *be = n->rt.be;
+  if (n->o.fail_device_after > 0 && !n->fault_injected && be->ops.inject_fault) {
+    pd_sched_stats s;
+    pd_sched_get_stats(n->rt.sched, &s);
+    if (s.steps >= (uint64_t)n->o.fail_device_after) {
+      pd_log(PD_LOG_WARN, "--fail-device-after %d: failing the device now", n->o.fail_device_after);
+      n->fault_injected = true;
+      be->ops.inject_fault(be);
+    }
+  }
+  pd_err e = {0};
+  if (pd_backend_status(be, &e) == PD_OK) return false;
+  n->device_failed = true;
+  atomic_store(&n->healthy, false);
+  pd_log(PD_LOG_ERROR, "the device failed: %s; leaving the cluster (exit status %d)", e.msg,
+         PD_NODE_EXIT_DEVICE);
+  char why[PD_ERR_MSG_MAX + 32];
+  snprintf(why, sizeof why, "device failed: %s", e.msg);
+  for (char *p = why; *p; p++) /* the wire wants UTF-8; keep the reason printable ASCII */
+    if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e) *p = '?';
+  pd_node_deregister(n, why, 1000);
+  pd_node_stop_flag = 1;
+  return true;
+}
+
 void pd_node_update_metrics(pd_node *n) {
   pd_sched_stats s;
   pd_sched_get_stats(n->rt.sched, &s);
@@ -453,6 +488,9 @@ void pd_node_update_metrics(pd_node *n) {
   pd_metric_add(n->m_prefix_queries, (double)ks.prefix_queries - q);
   pd_metric_add(n->m_prefix_hits, (double)ks.prefix_hits - h);
   pd_metric_set(n->m_prefix_rate, ks.prefix_queries ? (double)ks.prefix_hits / (double)ks.prefix_queries : 0);
+  uint64_t replays = 0;
+  pd_engine_graph_stats(n->rt.eng, &replays, NULL);
+  pd_metric_add(n->m_graph_replays, (double)replays - pd_metric_value(n->m_graph_replays));
   n->last_stats = s;
 }
 
@@ -485,6 +523,9 @@ static void init_metrics(pd_node *n) {
   n->m_kv_free = pd_metrics_gauge(m, "pd_node_kv_blocks_free",
                                   "KV blocks free or evictable.", NULL);
   n->m_kv_total = pd_metrics_gauge(m, "pd_node_kv_blocks_total", "KV blocks in the cache.", NULL);
+  n->m_graph_replays = pd_metrics_counter(m, "pd_node_graph_replays_total",
+                                          "Decode steps replayed from recorded device graphs.",
+                                          NULL);
   n->m_prefix_queries = pd_metrics_counter(m, "pd_node_prefix_cache_queries_total",
                                            "Prompt tokens looked up in the prefix cache.", NULL);
   n->m_prefix_hits = pd_metrics_counter(m, "pd_node_prefix_cache_hits_total",

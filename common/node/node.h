@@ -121,9 +121,14 @@ typedef struct pd_node_opts {
                        decode: cap of the receive buffer (kv_rx) */
   int kv_crc_threads; /* threads for a KV message's CRC-32, the loop's included (0, 1: the loop) */
   const char *curve_secret_file, *curve_secret_key, *router_public_key, *curve_allow_file;
+  int fail_device_after; /* testing: inject a device fault after this many steps (0 = never) */
   bool verbose, help;
   pd_runtime_opts rt;
 } pd_node_opts;
+
+/* A node's exit status when its device failed (pd_node_check_device); 1 is a start-up or usage
+ * failure, 0 a shutdown on SIGTERM/SIGINT. */
+#define PD_NODE_EXIT_DEVICE 3
 
 /* Parses argv for role (prefill or decode). Returns 0 to run, 1 on a usage error (printed),
  * 2 after printing --help. */
@@ -191,6 +196,7 @@ struct pd_node {
   atomic_uint hb_interval_ms;
   atomic_llong hb_last_ack_ms, hb_progress_ms;
   bool ready_written;
+  bool device_failed, fault_injected; /* pd_node_check_device */
   char kv_endpoint[256];     /* decode: advertised KV endpoint */
   uint8_t kv_public_key[PD_CURVE_KEY_BYTES];
   bool kv_curve;
@@ -200,7 +206,7 @@ struct pd_node {
   atomic_bool healthy;
   pd_metric *m_registered, *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total,
       *m_prefix_queries, *m_prefix_hits, *m_prefix_rate, *m_gen_tokens, *m_prompt_tokens,
-      *m_steps, *m_step_seconds, *m_preemptions;
+      *m_steps, *m_step_seconds, *m_preemptions, *m_graph_replays;
   pd_sched_stats last_stats;
 };
 
@@ -224,6 +230,15 @@ void pd_node_send_error(pd_node *n, Pd__ErrorCode code, const char *request_id, 
                         const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 /* Deregisters (best effort: flushes for up to timeout_ms). */
 void pd_node_deregister(pd_node *n, const char *reason, int timeout_ms);
+/* Whether the node's device has failed: a sticky backend failure (pd_backend_status: an
+ * illegal address, an ECC error, a launch failure) after which nothing it computes can be
+ * trusted. The first call that sees one logs it, marks the node unhealthy, deregisters with the
+ * reason "device failed: ..." (the router then retries or migrates the node's requests as for a
+ * node that died, and stops routing to it) and sets pd_node_stop_flag; the node's main then
+ * shuts down without sending its requests errors and returns PD_NODE_EXIT_DEVICE, for its
+ * supervisor to restart it. Call after every step and every failed device operation; it also
+ * injects the --fail-device-after fault when that many steps have run. */
+bool pd_node_check_device(pd_node *n);
 /* Updates the scheduler gauges and counters from the runtime. */
 void pd_node_update_metrics(pd_node *n);
 /* Fills a KvGeometry from the node's cache. */

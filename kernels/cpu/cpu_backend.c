@@ -37,6 +37,7 @@ typedef struct cpu_impl {
   int rope_half;
   int rope_npos;
   float *rope_cs;
+  bool failed; /* inject_fault was called: status reports a failure from then on */
 } cpu_impl;
 
 static cpu_impl *impl_of(pd_backend *be) { return (cpu_impl *)be->impl; }
@@ -589,6 +590,17 @@ static void cpu_attention(pd_backend *be, float *out, const float *q, const pd_k
   run(c, attn_task, &x, (int)total, 1);
 }
 
+/* ---- failure --------------------------------------------------------------------------------- */
+
+/* Arithmetic on the host cannot fail; only an injected fault (tests of the nodes' fault
+ * handling) makes this backend report one. */
+static pd_status cpu_status(pd_backend *be, pd_err *e) {
+  if (!impl_of(be)->failed) return PD_OK;
+  return pd_err_set(e, PD_EBACKEND, "cpu backend: injected device fault");
+}
+
+static void cpu_inject_fault(pd_backend *be) { impl_of(be)->failed = true; }
+
 /* ---- create / destroy ------------------------------------------------------------------------ */
 
 static void cpu_destroy(pd_backend *be) {
@@ -685,6 +697,8 @@ pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e) {
       .get_rows = cpu_get_rows,
       .add = cpu_add,
       .destroy = cpu_destroy,
+      .status = cpu_status,
+      .inject_fault = cpu_inject_fault,
       .kv_gather = cpu_kv_gather,
       .kv_scatter = cpu_kv_scatter,
       .kv_gather_runs = cpu_kv_gather_runs,
@@ -728,4 +742,8 @@ const pd_cpu_kern *pd_backend_cpu_kern(pd_backend *be) { return impl_of(be)->k; 
 
 void pd_backend_destroy(pd_backend *be) {
   if (be && be->ops.destroy) be->ops.destroy(be);
+}
+
+pd_status pd_backend_status(pd_backend *be, pd_err *e) {
+  return be && be->ops.status ? be->ops.status(be, e) : PD_OK;
 }

@@ -893,6 +893,22 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
 
 /* ---- create / destroy --------------------------------------------------------------------- */
 
+pd_status cu_status(pd_backend *be, pd_err *e) {
+  cuda_impl *c = impl_of(be);
+  if (c->status == PD_OK) return PD_OK;
+  return pd_err_set(e, c->status, "%s", c->msg);
+}
+
+/* A real device fault, on purpose: the trap is a sticky launch failure that every later call on
+ * this context reports, seen here at once by the sync. */
+void cu_inject_fault(pd_backend *be) {
+  cuda_impl *c = impl_of(be);
+  use_device(c);
+  pd_cuda_trap(c->st);
+  CK_LAUNCH(c, "injected fault");
+  CK(c, cudaStreamSynchronize(c->st));
+}
+
 void cu_destroy(pd_backend *be) {
   if (!be) return;
   cuda_impl *c = impl_of(be);
@@ -1004,6 +1020,8 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   be->ops.get_rows = cu_get_rows;
   be->ops.add = cu_add;
   be->ops.destroy = cu_destroy;
+  be->ops.status = cu_status;
+  be->ops.inject_fault = cu_inject_fault;
   be->ops.matmul_glu = cu_matmul_glu;
   be->ops.rope_kv_write = cu_rope_kv_write;
   be->ops.matmul_fused = cu_matmul_fused;
@@ -1072,7 +1090,5 @@ extern "C" void *pd_backend_cuda_stream(pd_backend *be) {
 extern "C" pd_status pd_backend_cuda_status(pd_backend *be, pd_err *e) {
   if (!be || be->ops.destroy != cu_destroy)
     return pd_err_set(e, PD_EINVAL, "not a CUDA backend");
-  cuda_impl *c = impl_of(be);
-  if (c->status == PD_OK) return PD_OK;
-  return pd_err_set(e, c->status, "%s", c->msg);
+  return cu_status(be, e);
 }

@@ -129,6 +129,9 @@ void pd_cuda_rope_kv_write(cudaStream_t st, float *q_out, const float *qkv, cons
                            const int32_t *slots, int M, int nqh);
 void pd_cuda_get_rows(cudaStream_t st, float *y, const float *x, const int32_t *idx, int n, int D);
 void pd_cuda_add(cudaStream_t st, float *y, const float *x, size_t n);
+/* A kernel that traps: the context's sticky "unspecified launch failure", as a device fault
+ * gives (fault-handling tests only; backend.h inject_fault). */
+void pd_cuda_trap(cudaStream_t st);
 /* y[M,N] += bias[N] for every row. */
 void pd_cuda_bias(cudaStream_t st, float *y, const float *bias, int M, int N);
 /* dst[n] = src[n] rounded to dt (BF16 or F16), round to nearest even. */

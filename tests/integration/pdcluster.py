@@ -131,15 +131,21 @@ class Cluster:
     """A router and its nodes. Node processes are named p0, p1, ... and d0, d1, ..."""
 
     def __init__(self, build, router_args=(), node_args=(), prefill_args=(), decode_args=(),
-                 api_key=None):
+                 api_key=None, model=MODEL,
+                 base_node_args=("--threads", "1", "--kv-cache-mb", "64"), node_wrap=()):
+        """model: the model folder of every process; base_node_args: the nodes' resource flags
+        (CPU defaults; a GPU test gives --device ...); node_wrap: a command the node binaries
+        run under (e.g. compute-sanitizer)."""
         self.build = build
+        self.model = model
+        self.node_wrap = list(node_wrap)
         self.dir = tempfile.mkdtemp(prefix="pdcluster-")
         self.port = free_port()
         self.cluster_port = free_port()
         self.client_port = free_port()
         self.api_key = api_key
         self.router_args = list(router_args)
-        self.node_args = ["--threads", "1", "--kv-cache-mb", "64"] + list(node_args)
+        self.node_args = list(base_node_args) + list(node_args)
         self.prefill_args = list(prefill_args)
         self.decode_args = list(decode_args)
         self.procs = {}
@@ -156,7 +162,7 @@ class Cluster:
         return h
 
     def start_router(self):
-        argv = [os.path.join(self.build, "router", "pd-router"), "--model", MODEL,
+        argv = [os.path.join(self.build, "router", "pd-router"), "--model", self.model,
                 "--port", str(self.port), "--cluster-port", str(self.cluster_port),
                 "--client-port", str(self.client_port),
                 "--ready-file", os.path.join(self.dir, "router.ready")] + self.router_args
@@ -173,8 +179,9 @@ class Cluster:
         self.counter[k] += 1
         binary = os.path.join(self.build, f"{role}-node", f"pd-{role}")
         ready = os.path.join(self.dir, name + ".ready")
-        argv = [binary, "--model", MODEL, "--router", f"tcp://127.0.0.1:{self.cluster_port}",
-                "--node-id", name, "--ready-file", ready] + self.node_args
+        argv = self.node_wrap + [binary, "--model", self.model, "--router",
+                                 f"tcp://127.0.0.1:{self.cluster_port}", "--node-id", name,
+                                 "--ready-file", ready] + self.node_args
         argv += self.prefill_args if role == "prefill" else self.decode_args
         argv += list(extra)
         self.procs[name] = Proc(name, argv, self.dir)

@@ -97,6 +97,8 @@ pd_status pd_engine_forward(pd_engine *eng, const pd_batch *b, float *logits, pd
  * between the two. */
 pd_status pd_engine_submit(pd_engine *eng, const pd_batch *b, pd_err *e);
 pd_status pd_engine_finish(pd_engine *eng, const pd_batch *b, float *logits, pd_err *e);
+/* (pd_engine_forward and pd_engine_finish return PD_EBACKEND when the backend has failed:
+ * pd_backend_status; a device fault is sticky, so the engine is unusable from then on.) */
 
 /* The paged KV storage of one layer (backend memory) and its shape, e.g. to pack pages for
  * a transfer. */

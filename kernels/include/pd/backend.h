@@ -245,6 +245,17 @@ typedef struct pd_backend_ops {
   /* Optional (may be NULL): releases the backend. */
   void (*destroy)(pd_backend *be);
 
+  /* ---- failure ---- */
+  /* Optional (NULL: the backend cannot fail): the first failure the backend recorded, as
+   * PD_EBACKEND with its message, or PD_OK. Sticky: a device fault (an illegal address, an ECC
+   * error, a launch failure) leaves the backend unusable for good, and the process must let go
+   * of it (a node leaves the cluster and exits). See pd_backend_status. */
+  pd_status (*status)(pd_backend *be, pd_err *e);
+  /* Optional: makes the backend fail as a device fault does, for tests of that handling (pd-decode
+   * and pd-prefill --fail-device-after). CUDA: a kernel that traps, a sticky launch failure seen
+   * at the next sync; CPU: a recorded failure. */
+  void (*inject_fault)(pd_backend *be);
+
   /* ---- optional extensions (NULL where a backend does not have them) ---- */
 
   /* Samples n rows of logits [rows, vocab] (backend memory) on the device. specs [n], edits
@@ -320,6 +331,8 @@ pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e);
 /* Which kernel family the CPU backend chose: "avx512", "avx2" or "generic". */
 const char *pd_backend_cpu_isa(const pd_backend *be);
 void pd_backend_destroy(pd_backend *be);
+/* be->ops.status where the backend has it, else PD_OK. */
+pd_status pd_backend_status(pd_backend *be, pd_err *e);
 
 #ifdef __cplusplus
 }
