@@ -21,3 +21,25 @@ if(TARGET pd-router AND TARGET pd-prefill AND TARGET pd-decode)
                          ENVIRONMENT PD_DECODE_KV_BUDGET_MS=0.001)
   endif()
 endif()
+# Serving under load on one GPU with CUDA graphs (label gpu: run on a GPU machine; skipped where
+# `pdctl devices` reports none). test_cluster_gpu_load_memcheck: its short form with the nodes
+# under compute-sanitizer memcheck. test_cluster_device_fault_gpu: the device-fault test with
+# the nodes on cuda:0.
+if(TARGET pd-router AND TARGET pd-prefill AND TARGET pd-decode AND PD_PYTHON3)
+  add_test(NAME test_cluster_gpu_load
+           COMMAND ${PD_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_cluster_gpu_load.py
+                   --build ${CMAKE_BINARY_DIR})
+  set_tests_properties(test_cluster_gpu_load PROPERTIES LABELS gpu TIMEOUT 1200
+                       SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
+  add_test(NAME test_cluster_gpu_load_memcheck
+           COMMAND ${PD_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_cluster_gpu_load.py
+                   --build ${CMAKE_BINARY_DIR} --memcheck)
+  set_tests_properties(test_cluster_gpu_load_memcheck PROPERTIES LABELS gpu TIMEOUT 1800
+                       SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
+  # a node's device failing for real (a trapping kernel) under load
+  add_test(NAME test_cluster_device_fault_gpu
+           COMMAND ${PD_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_cluster_device_fault.py
+                   --build ${CMAKE_BINARY_DIR} --gpu)
+  set_tests_properties(test_cluster_device_fault_gpu PROPERTIES LABELS gpu TIMEOUT 600
+                       SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
+endif()
