@@ -1,4 +1,5 @@
 /* The run directory of a local cluster (cluster.h): files, processes, cluster.json. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -88,13 +89,15 @@ unsigned long long cl_proc_start_time(pid_t pid, bool *zombie) {
 }
 
 /* Whether the process we started (pid + start time) still runs. */
-bool cl_proc_alive(const proc *p) {
-  if (p->pid <= 0 || p->reaped) return false;
+bool cl_pid_alive(pid_t pid, unsigned long long start_time) {
+  if (pid <= 0) return false;
   bool zombie = false;
-  unsigned long long st = cl_proc_start_time(p->pid, &zombie);
+  unsigned long long st = cl_proc_start_time(pid, &zombie);
   if (st == 0 || zombie) return false;
-  return p->start_time == 0 || st == p->start_time;
+  return start_time == 0 || st == start_time;
 }
+
+bool cl_proc_alive(const proc *p) { return !p->reaped && cl_pid_alive(p->pid, p->start_time); }
 
 /* Prints the last n lines of a log file to stderr. */
 void cl_print_log_tail(const char *path, int n) {
@@ -151,13 +154,15 @@ void cl_cluster_free(cluster *c) {
 }
 
 /* Starts p as a daemon: its own session, stdin from /dev/null, stdout and stderr appended to
- * DIR/<name>.log, its pid in DIR/<name>.pid. Exec failures come back through a close-on-exec
- * pipe, so "binary not executable" is reported here rather than as a silent death. */
-int cl_spawn(const cluster *c, proc *p) {
+ * DIR/<name>.log (emptied first unless keep_log), its pid in DIR/<name>.pid. Exec failures come
+ * back through a close-on-exec pipe, so "binary not executable" is reported here rather than
+ * as a silent death. */
+int cl_spawn(const cluster *c, proc *p, bool keep_log) {
   char logp[PATH_MAX + 64], pidp[PATH_MAX + 64];
   cl_path_of(logp, sizeof logp, c->run_dir, p->name, ".log");
   cl_path_of(pidp, sizeof pidp, c->run_dir, p->name, ".pid");
-  int logfd = open(logp, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+  int logfd = open(logp, O_WRONLY | O_CREAT | (keep_log ? 0 : O_TRUNC) | O_APPEND | O_CLOEXEC,
+                   0644);
   if (logfd < 0) {
     fprintf(stderr, "pdctl: %s: %s\n", logp, strerror(errno));
     return -1;
@@ -234,15 +239,38 @@ void cl_reap(cluster *c) {
   }
 }
 
+static const char *signal_name(int sig) {
+  static const struct {
+    int sig;
+    const char *name;
+  } names[] = {{SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"},
+               {SIGILL, "SIGILL"},   {SIGTRAP, "SIGTRAP"}, {SIGABRT, "SIGABRT"},
+               {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},   {SIGKILL, "SIGKILL"},
+               {SIGUSR1, "SIGUSR1"}, {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"},
+               {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"},
+               {SIGXCPU, "SIGXCPU"}, {SIGXFSZ, "SIGXFSZ"}, {SIGSYS, "SIGSYS"}};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    if (names[i].sig == sig) return names[i].name;
+  return NULL;
+}
+
+void cl_exit_reason(int wstatus, char *out, size_t cap) {
+  if (WIFEXITED(wstatus)) {
+    snprintf(out, cap, "exit %d", WEXITSTATUS(wstatus));
+  } else if (WIFSIGNALED(wstatus)) {
+    int sig = WTERMSIG(wstatus);
+    const char *name = signal_name(sig);
+    const char *core = WCOREDUMP(wstatus) ? " (core dumped)" : "";
+    if (name) snprintf(out, cap, "killed by %s%s", name, core);
+    else snprintf(out, cap, "killed by signal %d%s", sig, core);
+  } else {
+    snprintf(out, cap, "wait status %#x", (unsigned)wstatus);
+  }
+}
+
 void cl_describe_exit(const proc *p, char *out, size_t cap) {
-  if (!p->reaped) snprintf(out, cap, "exited");
-  else if (WIFEXITED(p->exit_status))
-    snprintf(out, cap, "exited with status %d", WEXITSTATUS(p->exit_status));
-  else if (WIFSIGNALED(p->exit_status))
-    snprintf(out, cap, "was killed by signal %d (%s)", WTERMSIG(p->exit_status),
-             strsignal(WTERMSIG(p->exit_status)));
-  else
-    snprintf(out, cap, "exited");
+  if (p->reaped) cl_exit_reason(p->exit_status, out, cap);
+  else snprintf(out, cap, "gone");
 }
 
 /* Stops processes: SIGTERM to the nodes, then to the router (so nodes can deregister), waits
@@ -297,14 +325,45 @@ void cl_remove_run_files(const cluster *c, bool also_json) {
     unlink(path);
     cl_path_of(path, sizeof path, c->run_dir, c->procs[i].name, ".ready");
     unlink(path);
+    cl_path_of(path, sizeof path, c->run_dir, c->procs[i].name, ".restart");
+    unlink(path);
   }
+  cl_path_of(path, sizeof path, c->run_dir, "supervisor", ".pid");
+  unlink(path);
   if (also_json) {
     cl_path_of(path, sizeof path, c->run_dir, "cluster", ".json");
     unlink(path);
   }
 }
 
+/* Whether /proc/<pid>/cmdline's first argument contains what. */
+static bool cmdline_has(pid_t pid, const char *what) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/cmdline", (int)pid);
+  char *cl = pid > 0 ? cl_read_file(path, NULL) : NULL;
+  bool yes = cl && strstr(cl, what);
+  free(cl);
+  return yes;
+}
+
 /* ---- cluster.json ---- */
+
+static const char *const state_names[] = {"running", "restarting", "stopping", "failed"};
+
+const char *cl_state_name(proc_state s) {
+  return (unsigned)s < sizeof state_names / sizeof state_names[0] ? state_names[s] : "?";
+}
+
+static proc_state state_of(const char *name) {
+  for (size_t i = 0; i < sizeof state_names / sizeof state_names[0]; i++)
+    if (!strcmp(name, state_names[i])) return (proc_state)i;
+  return PROC_RUNNING;
+}
+
+int cl_endpoint_port(const char *ep) {
+  const char *colon = ep ? strrchr(ep, ':') : NULL;
+  return colon && colon[1] ? atoi(colon + 1) : -1;
+}
 
 int cl_save_json(const cluster *c) {
   cJSON *o = cJSON_CreateObject();
@@ -317,9 +376,19 @@ int cl_save_json(const cluster *c) {
   cJSON_AddNumberToObject(o, "http_port", c->http_port);
   cJSON_AddStringToObject(o, "cluster_endpoint", c->cluster_ep);
   cJSON_AddStringToObject(o, "client_endpoint", c->client_ep);
+  cJSON_AddNumberToObject(o, "cluster_port", cl_endpoint_port(c->cluster_ep));
+  cJSON_AddNumberToObject(o, "client_port", cl_endpoint_port(c->client_ep));
   cJSON_AddNumberToObject(o, "prefill", c->n_prefill);
   cJSON_AddNumberToObject(o, "decode", c->n_decode);
-  cJSON_AddNumberToObject(o, "started_at", (double)time(NULL));
+  cJSON_AddNumberToObject(o, "started_at", c->started_at);
+  char path[PATH_MAX + 64];
+  cJSON *sup = cJSON_AddObjectToObject(o, "supervisor");
+  cJSON_AddNumberToObject(sup, "pid", c->sup_pid);
+  cJSON_AddNumberToObject(sup, "start_time", (double)c->sup_start_time);
+  cl_path_of(path, sizeof path, c->run_dir, "supervisor", ".log");
+  cJSON_AddStringToObject(sup, "log", path);
+  cJSON_AddNumberToObject(sup, "restart_limit", c->restart_limit);
+  cJSON_AddNumberToObject(sup, "restart_window", c->restart_window);
   cJSON *arr = cJSON_AddArrayToObject(o, "processes");
   for (int i = 0; i < c->n; i++) {
     const proc *p = &c->procs[i];
@@ -328,7 +397,11 @@ int cl_save_json(const cluster *c) {
     cJSON_AddStringToObject(j, "role", p->role);
     cJSON_AddNumberToObject(j, "pid", p->pid);
     cJSON_AddNumberToObject(j, "start_time", (double)p->start_time);
-    char path[PATH_MAX + 64];
+    cJSON_AddStringToObject(j, "state", cl_state_name(p->state));
+    cJSON_AddNumberToObject(j, "restarts", p->restarts);
+    cJSON_AddStringToObject(j, "last_exit", p->last_exit);
+    cJSON_AddNumberToObject(j, "last_exit_time", p->last_exit_time);
+    cJSON_AddNumberToObject(j, "started_time", p->started_time);
     cl_path_of(path, sizeof path, c->run_dir, p->name, ".log");
     cJSON_AddStringToObject(j, "log", path);
     cl_path_of(path, sizeof path, c->run_dir, p->name, ".pid");
@@ -341,7 +414,6 @@ int cl_save_json(const cluster *c) {
   }
   char *s = cJSON_Print(o);
   cJSON_Delete(o);
-  char path[PATH_MAX + 64];
   cl_path_of(path, sizeof path, c->run_dir, "cluster", ".json");
   size_t l = s ? strlen(s) : 0;
   char *t = s ? realloc(s, l + 2) : NULL;
@@ -352,6 +424,41 @@ int cl_save_json(const cluster *c) {
   int rc = t ? cl_write_file_atomic(path, t) : -1;
   free(t ? t : s);
   return rc;
+}
+
+static void json_str(const cJSON *o, const char *key, char *out, size_t cap) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (cJSON_IsString(v)) snprintf(out, cap, "%s", v->valuestring);
+}
+
+static double json_num(const cJSON *o, const char *key, double dflt) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  return cJSON_IsNumber(v) ? v->valuedouble : dflt;
+}
+
+/* One entry of cluster.json's "processes" into p; false when it is not one. */
+static bool load_proc(const cJSON *j, proc *p) {
+  memset(p, 0, sizeof *p);
+  const cJSON *name = cJSON_GetObjectItemCaseSensitive(j, "name");
+  if (!cJSON_IsString(name) || !cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(j, "pid")))
+    return false;
+  snprintf(p->name, sizeof p->name, "%s", name->valuestring);
+  json_str(j, "role", p->role, sizeof p->role);
+  p->pid = (pid_t)json_num(j, "pid", 0);
+  p->start_time = (unsigned long long)json_num(j, "start_time", 0);
+  p->metrics_port = (int)json_num(j, "metrics_port", 0);
+  json_str(j, "kv_endpoint", p->kv_endpoint, sizeof p->kv_endpoint);
+  char state[32] = "running";
+  json_str(j, "state", state, sizeof state);
+  p->state = state_of(state);
+  p->restarts = (int)json_num(j, "restarts", 0);
+  json_str(j, "last_exit", p->last_exit, sizeof p->last_exit);
+  p->last_exit_time = json_num(j, "last_exit_time", 0);
+  p->started_time = json_num(j, "started_time", 0);
+  const cJSON *a;
+  cJSON_ArrayForEach(a, cJSON_GetObjectItemCaseSensitive(j, "argv"))
+    if (cJSON_IsString(a)) cl_proc_arg(p, a->valuestring);
+  return true;
 }
 
 /* Loads DIR/cluster.json; without it, falls back to the pid files (a cluster.json lost to a
@@ -366,44 +473,34 @@ int cl_load_cluster(const char *run_dir, cluster *c, bool quiet) {
   cJSON *o = s ? cJSON_Parse(s) : NULL;
   free(s);
   if (o) {
-    cJSON *v;
-    if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(o, "model")))
-      snprintf(c->model, sizeof c->model, "%s", v->valuestring);
-    if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(o, "host")))
-      snprintf(c->host, sizeof c->host, "%s", v->valuestring);
-    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(o, "http_port")))
-      c->http_port = v->valueint;
-    if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(o, "cluster_endpoint")))
-      snprintf(c->cluster_ep, sizeof c->cluster_ep, "%s", v->valuestring);
-    if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(o, "client_endpoint")))
-      snprintf(c->client_ep, sizeof c->client_ep, "%s", v->valuestring);
-    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(o, "prefill")))
-      c->n_prefill = v->valueint;
-    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(o, "decode")))
-      c->n_decode = v->valueint;
-    cJSON *arr = cJSON_GetObjectItemCaseSensitive(o, "processes");
-    cJSON *j;
-    cJSON_ArrayForEach(j, arr) {
+    json_str(o, "model", c->model, sizeof c->model);
+    json_str(o, "host", c->host, sizeof c->host);
+    c->http_port = (int)json_num(o, "http_port", 0);
+    json_str(o, "cluster_endpoint", c->cluster_ep, sizeof c->cluster_ep);
+    json_str(o, "client_endpoint", c->client_ep, sizeof c->client_ep);
+    c->n_prefill = (int)json_num(o, "prefill", 0);
+    c->n_decode = (int)json_num(o, "decode", 0);
+    c->started_at = json_num(o, "started_at", 0);
+    const cJSON *sup = cJSON_GetObjectItemCaseSensitive(o, "supervisor");
+    c->sup_pid = (pid_t)json_num(sup, "pid", 0);
+    c->sup_start_time = (unsigned long long)json_num(sup, "start_time", 0);
+    c->restart_limit = (int)json_num(sup, "restart_limit", 0);
+    c->restart_window = json_num(sup, "restart_window", 0);
+    const cJSON *j;
+    cJSON_ArrayForEach(j, cJSON_GetObjectItemCaseSensitive(o, "processes")) {
       if (c->n >= MAX_PROCS) break;
-      proc *p = &c->procs[c->n];
-      memset(p, 0, sizeof *p);
-      cJSON *name = cJSON_GetObjectItemCaseSensitive(j, "name");
-      cJSON *role = cJSON_GetObjectItemCaseSensitive(j, "role");
-      cJSON *pid = cJSON_GetObjectItemCaseSensitive(j, "pid");
-      cJSON *stt = cJSON_GetObjectItemCaseSensitive(j, "start_time");
-      if (!cJSON_IsString(name) || !cJSON_IsNumber(pid)) continue;
-      snprintf(p->name, sizeof p->name, "%s", name->valuestring);
-      snprintf(p->role, sizeof p->role, "%s", cJSON_IsString(role) ? role->valuestring : "");
-      p->pid = (pid_t)pid->valueint;
-      p->start_time = cJSON_IsNumber(stt) ? (unsigned long long)stt->valuedouble : 0;
-      if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "metrics_port")))
-        p->metrics_port = v->valueint;
-      if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(j, "kv_endpoint")))
-        snprintf(p->kv_endpoint, sizeof p->kv_endpoint, "%s", v->valuestring);
-      c->n++;
+      if (load_proc(j, &c->procs[c->n])) c->n++;
     }
     cJSON_Delete(o);
     return 0;
+  }
+  /* no cluster.json: the supervisor's pid file, if its process is a pdctl */
+  cl_path_of(path, sizeof path, run_dir, "supervisor", ".pid");
+  char *sp = cl_read_file(path, NULL);
+  if (sp) {
+    c->sup_pid = (pid_t)atoi(sp);
+    free(sp);
+    if (!cmdline_has(c->sup_pid, "pdctl")) c->sup_pid = 0;
   }
   /* no cluster.json: the pid files that exist */
   const char *roles[3] = {"router", "prefill", "decode"};
@@ -422,19 +519,68 @@ int cl_load_cluster(const char *run_dir, cluster *c, bool quiet) {
       p->pid = (pid_t)atoi(t);
       free(t);
       /* no start time on record: only signal a process whose command line names the binary */
-      char cmd[64], *cl;
-      snprintf(cmd, sizeof cmd, "/proc/%d/cmdline", (int)p->pid);
-      cl = cl_read_file(cmd, NULL);
-      if (!cl || !strstr(cl, r == 0 ? "pd-router" : r == 1 ? "pd-prefill" : "pd-decode"))
+      if (!cmdline_has(p->pid, r == 0 ? "pd-router" : r == 1 ? "pd-prefill" : "pd-decode"))
         p->pid = 0;
-      free(cl);
     }
   }
-  if (c->n == 0) {
+  if (c->n == 0 && c->sup_pid == 0) {
     if (!quiet) fprintf(stderr, "pdctl: no cluster in %s (no cluster.json, no pid files)\n", run_dir);
     return -1;
   }
   return 0;
+}
+
+/* Whether a command line (NUL-separated arguments, len bytes) holds `--ready-file PATH` or
+ * `--ready-file=PATH` with PATH a ready file in run_dir. */
+static bool argv_has_ready_file_in(const char *cl, size_t len, const char *run_dir) {
+  size_t dl = strlen(run_dir);
+  bool after_flag = false;
+  for (const char *a = cl; a < cl + len; a += strlen(a) + 1) {
+    const char *path = NULL;
+    if (after_flag) path = a;
+    else if (!strncmp(a, "--ready-file=", 13)) path = a + 13;
+    after_flag = !strcmp(a, "--ready-file");
+    size_t pl = path ? strlen(path) : 0;
+    if (path && pl > dl + 7 && !strncmp(path, run_dir, dl) && path[dl] == '/' &&
+        !strchr(path + dl + 1, '/') && !strcmp(path + pl - 6, ".ready"))
+      return true;
+  }
+  return false;
+}
+
+int cl_find_strays(const cluster *c, cluster *strays) {
+  memset(strays, 0, sizeof *strays);
+  snprintf(strays->run_dir, sizeof strays->run_dir, "%s", c->run_dir);
+  DIR *d = opendir("/proc");
+  if (!d) return 0;
+  struct dirent *de;
+  while ((de = readdir(d)) && strays->n < MAX_PROCS) {
+    char *end;
+    long pid = strtol(de->d_name, &end, 10);
+    if (*end || pid <= 0 || pid == getpid()) continue;
+    bool known = false;
+    for (int i = 0; i < c->n && !known; i++) known = c->procs[i].pid == pid;
+    if (known) continue;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%ld/cmdline", pid);
+    size_t len = 0;
+    char *cl = cl_read_file(path, &len);
+    if (cl && argv_has_ready_file_in(cl, len, c->run_dir)) {
+      bool zombie = false;
+      unsigned long long st = cl_proc_start_time((pid_t)pid, &zombie);
+      if (st && !zombie) {
+        proc *p = &strays->procs[strays->n++];
+        p->pid = (pid_t)pid;
+        p->start_time = st;
+        const char *base = strrchr(cl, '/');
+        snprintf(p->name, sizeof p->name, "%s", base ? base + 1 : cl);
+        snprintf(p->role, sizeof p->role, "%s", strstr(p->name, "router") ? "router" : "node");
+      }
+    }
+    free(cl);
+  }
+  closedir(d);
+  return strays->n;
 }
 
 /* Router health: the HTTP status (-1: no answer) and the node counts it reports. */

@@ -1,28 +1,27 @@
-/* pdctl cluster up|status|down: a local cluster of one pd-router, P pd-prefill and D pd-decode
- * processes on 127.0.0.1, run as daemons and described in a run directory:
- *
- *   DIR/<name>.pid     the process id          (name: router, prefill-0.., decode-0..)
- *   DIR/<name>.log     its stdout and stderr
- *   DIR/<name>.ready   the ready file the process writes once serving (docs/cluster.md)
- *   DIR/cluster.json   ports, endpoints, pids (with their start times, so a recycled pid is
- *                      never signalled), command lines
+/* pdctl cluster up: a local cluster of one pd-router, P pd-prefill and D pd-decode processes on
+ * 127.0.0.1, run as daemons under a supervisor and described in a run directory (cluster.h).
  *
  * `up` starts the router with free cluster and client ports (port 0: the router binds and
  * reports them in its ready file, so there is no race for a port), then the nodes pointing at
  * it, and waits — bounded — until the router's /health is 200 with every node counted. If a
  * process dies or the wait times out it prints the tail of the failing log, stops everything it
- * started and exits 1. `status` checks each process and the router; `down` sends SIGTERM,
- * waits, sends SIGKILL after a timeout and removes the pid and ready files (logs stay). */
+ * started and exits 1. Once the cluster is healthy, the router's recorded argv is pinned to the
+ * ports it bound (a restarted router is found by the nodes again), and the process that
+ * started the processes stays behind as their supervisor (cluster_supervise.c). `status`,
+ * `restart` and `down` are in cluster_ctl.c. */
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -109,7 +108,7 @@ static void report_dead(const cluster *c, const proc *p) {
   char how[96], logp[PATH_MAX + 64];
   cl_describe_exit(p, how, sizeof how);
   cl_path_of(logp, sizeof logp, c->run_dir, p->name, ".log");
-  fprintf(stderr, "pdctl: %s (pid %d) %s during startup\n", p->name, (int)p->pid, how);
+  fprintf(stderr, "pdctl: %s (pid %d) ended during startup: %s\n", p->name, (int)p->pid, how);
   cl_print_log_tail(logp, 20);
 }
 
@@ -125,6 +124,109 @@ static int fail_up(cluster *c, bool keep) {
   }
   cl_cluster_free(c);
   return 1;
+}
+
+/* `up` in two processes. The parent (the command the user ran) waits; the child starts every
+ * process of the cluster, so that they are its children, and once the cluster is healthy it
+ * becomes their supervisor (become_supervisor) and tells the parent, which exits 0. When the
+ * start fails the child cleans up and exits non-zero, and the parent exits with its status.
+ * Ctrl-C or SIGTERM to the parent reach the child (which stops what it started).
+ * Returns the write end of the status pipe in the child; in the parent it never returns. On a
+ * failure to fork, -1 (the exit status, negated). */
+static int fork_supervisor(void) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return -pdctl_fail("pipe: %s", strerror(errno));
+  fflush(NULL);
+  pid_t child = fork();
+  if (child < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return -pdctl_fail("fork: %s", strerror(errno));
+  }
+  if (child == 0) {
+    close(fds[0]);
+    return fds[1];
+  }
+  close(fds[1]);
+  bool forwarded = false;
+  for (;;) {
+    if (g_up_interrupted && !forwarded) {
+      kill(child, g_up_interrupted);
+      forwarded = true;
+    }
+    struct pollfd pfd = {.fd = fds[0], .events = POLLIN};
+    int r = poll(&pfd, 1, 200);
+    if (r <= 0) continue; /* timeout, or EINTR from a signal: forward it */
+    char b;
+    ssize_t n = read(fds[0], &b, 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n == 1) exit(0); /* healthy and supervised; the child printed the summary */
+    break;               /* EOF: the child ended */
+  }
+  int st = 0;
+  while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFEXITED(st)) exit(WEXITSTATUS(st));
+  char how[64];
+  cl_exit_reason(st, how, sizeof how);
+  fprintf(stderr, "pdctl: the process starting the cluster (pid %d) ended: %s\n", (int)child, how);
+  exit(1);
+}
+
+/* The child of fork_supervisor, with a healthy cluster on record in cluster.json: a daemon
+ * (own session, output to DIR/supervisor.log, pid in DIR/supervisor.pid) that tells the
+ * waiting parent and runs `pdctl cluster supervise --run-dir DIR` in this very process. */
+static int become_supervisor(cluster *c, int status_fd) {
+  char logp[PATH_MAX + 64], pidp[PATH_MAX + 64];
+  cl_path_of(logp, sizeof logp, c->run_dir, "supervisor", ".log");
+  cl_path_of(pidp, sizeof pidp, c->run_dir, "supervisor", ".pid");
+  int logfd = open(logp, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+  int nullfd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  char num[32];
+  snprintf(num, sizeof num, "%d\n", (int)getpid());
+  if (logfd < 0 || nullfd < 0 || cl_write_file_atomic(pidp, num) != 0) {
+    fprintf(stderr, "pdctl: cannot start the supervisor: %s: %s\n", logfd < 0 ? logp : pidp,
+            strerror(errno));
+    if (logfd >= 0) close(logfd);
+    if (nullfd >= 0) close(nullfd);
+    return fail_up(c, false);
+  }
+  fflush(NULL);
+  setsid();
+  dup2(nullfd, 0);
+  dup2(logfd, 1);
+  dup2(logfd, 2);
+  close(nullfd);
+  close(logfd);
+  ssize_t w = write(status_fd, "", 1);
+  (void)w;
+  close(status_fd);
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
+  char self[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  self[n > 0 ? n : 0] = 0;
+  char *args[] = {self, "cluster", "supervise", "--run-dir", c->run_dir, NULL};
+  cl_cluster_free(c);
+  if (n > 0) execv(self, args);
+  fprintf(stderr, "pdctl: cannot execute %s (%s): supervising from this process\n", self,
+          strerror(errno));
+  return cl_cmd_supervise(5, args);
+}
+
+/* Sets every value of a router flag in r's argv (`--flag V` and `--flag=V`) to v. */
+static void pin_router_port(proc *r, const char *flag, int v) {
+  size_t fl = strlen(flag);
+  for (int i = 1; i < r->argc; i++) {
+    char *a = r->argv[i];
+    bool sep = !strcmp(a, flag) && i + 1 < r->argc;
+    if (!sep && !(strncmp(a, flag, fl) == 0 && a[fl] == '=')) continue;
+    char buf[64];
+    if (sep) snprintf(buf, sizeof buf, "%d", v);
+    else snprintf(buf, sizeof buf, "%s=%d", flag, v);
+    free(r->argv[sep ? i + 1 : i]);
+    r->argv[sep ? i + 1 : i] = cl_xstrdup(buf);
+  }
 }
 
 /* Splits s at whitespace into p's argv. */
@@ -204,8 +306,8 @@ static int cluster_up(int argc, char **argv) {
              *router_args = NULL, *prefill_args = NULL, *decode_args = NULL, *api_key = NULL,
              *name = NULL, *device = NULL, *prefill_device = NULL, *decode_device = NULL,
              *kv_dtype = NULL;
-  int n_prefill = 1, n_decode = 1, port = 8000;
-  double gpu_util = 0;
+  int n_prefill = 1, n_decode = 1, port = 8000, restart_limit = 5;
+  double gpu_util = 0, restart_window = 60;
   double timeout_s = 180;
   bool help = false, keep = false, quiet = false;
   pd_opt opts[] = {
@@ -240,6 +342,11 @@ static int cluster_up(int argc, char **argv) {
       {"bin-dir", PD_OPT_STR, &bin_dir, "DIR",
        "where pd-router, pd-prefill, pd-decode are (default: found from pdctl's location)", NULL},
       {"timeout", PD_OPT_DOUBLE, &timeout_s, "S", "readiness wait (default 180)", NULL},
+      {"restart-limit", PD_OPT_INT, &restart_limit, "N",
+       "the supervisor restarts a process that exits, and gives up on one that exits more than "
+       "N times within --restart-window (default 5; 0 = at its first exit)", NULL},
+      {"restart-window", PD_OPT_DOUBLE, &restart_window, "S",
+       "seconds in which --restart-limit counts exits (default 60)", NULL},
       {"keep-on-failure", PD_OPT_BOOL, &keep, NULL, "leave processes running if startup fails",
        NULL},
       {"quiet", PD_OPT_BOOL, &quiet, NULL, "print only errors", NULL},
@@ -263,6 +370,9 @@ static int cluster_up(int argc, char **argv) {
     return pdctl_fail("--prefill and --decode must be in 1..32");
   if (port < 0 || port > 65535) return pdctl_fail("--port must be in 0..65535");
   if (!(timeout_s > 0)) return pdctl_fail("--timeout must be positive");
+  if (restart_limit < 0 || restart_limit > MAX_RESTART_LIMIT)
+    return pdctl_fail("--restart-limit must be in 0..%d", MAX_RESTART_LIMIT);
+  if (!(restart_window > 0)) return pdctl_fail("--restart-window must be positive");
   if (!prefill_device) prefill_device = device ? device : "cpu";
   if (!decode_device) decode_device = device ? device : "cpu";
   if (!device_list_ok(prefill_device) || !device_list_ok(decode_device))
@@ -290,17 +400,32 @@ static int cluster_up(int argc, char **argv) {
   snprintf(c.host, sizeof c.host, "%s", host);
   c.n_prefill = n_prefill;
   c.n_decode = n_decode;
+  c.restart_limit = restart_limit;
+  c.restart_window = restart_window;
+  c.started_at = (double)time(NULL);
 
   /* a cluster already running here? */
   {
-    cluster old;
+    static cluster old;
     if (cl_load_cluster(c.run_dir, &old, true) == 0) {
-      for (int i = 0; i < old.n; i++)
-        if (cl_proc_alive(&old.procs[i]))
-          return pdctl_fail("a cluster is already running in %s (%s, pid %d); run `pdctl "
-                            "cluster down --run-dir %s` first",
-                            c.run_dir, old.procs[i].name, (int)old.procs[i].pid, c.run_dir);
-      cl_remove_run_files(&old, true);
+      const char *what = NULL;
+      pid_t pid = 0;
+      if (cl_pid_alive(old.sup_pid, old.sup_start_time)) {
+        what = "its supervisor";
+        pid = old.sup_pid;
+      }
+      for (int i = 0; i < old.n && !what; i++)
+        if (cl_proc_alive(&old.procs[i])) {
+          what = old.procs[i].name;
+          pid = old.procs[i].pid;
+        }
+      if (!what) cl_remove_run_files(&old, true);
+      cl_cluster_free(&old);
+      if (what)
+        return pdctl_fail("a cluster is already running in %s (%s, pid %d); run `pdctl "
+                          "cluster down --run-dir %s` first, or `pdctl cluster restart` for one "
+                          "process",
+                          c.run_dir, what, (int)pid, c.run_dir);
     }
   }
   if (port > 0 && strcmp(host, "127.0.0.1") == 0 && !port_free(port))
@@ -343,13 +468,20 @@ static int cluster_up(int argc, char **argv) {
   cl_proc_argf(r, "%s/router.ready", c.run_dir);
   if (router_args) add_split_args(r, router_args);
   double t0 = pdctl_now(), deadline = t0 + timeout_s;
-  if (!quiet) fprintf(stderr, "pdctl: starting pd-router (logs in %s)\n", c.run_dir);
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_up_signal;
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
-  if (cl_spawn(&c, r) != 0) return fail_up(&c, false);
+  /* From here on the child does the work: it starts every process (so they are its children)
+   * and, once the cluster is healthy, becomes its supervisor; this process waits for it. */
+  int status_fd = fork_supervisor();
+  if (status_fd < 0) {
+    cl_cluster_free(&c);
+    return -status_fd;
+  }
+  if (!quiet) fprintf(stderr, "pdctl: starting pd-router (logs in %s)\n", c.run_dir);
+  if (cl_spawn(&c, r, false) != 0) return fail_up(&c, false);
   for (;;) {
     if (check_interrupted()) return fail_up(&c, false);
     proc *dead = first_dead(&c);
@@ -449,7 +581,7 @@ static int cluster_up(int argc, char **argv) {
      * CPU backends' spinning thread pools never oversubscribe it (2 nodes x all cores on
      * 2 cores runs several times slower than 1 thread each). */
     if (!threads_given && !gpu) cl_proc_argf(p, "--threads=%d", node_threads);
-    if (cl_spawn(&c, p) != 0) return fail_up(&c, false);
+    if (cl_spawn(&c, p, false) != 0) return fail_up(&c, false);
   }
   if (!quiet)
     fprintf(stderr, "pdctl: started %d prefill and %d decode nodes; waiting for them to register\n",
@@ -504,6 +636,14 @@ static int cluster_up(int argc, char **argv) {
     }
     cl_sleep_ms(100);
   }
+  /* a restarted router binds the ports this one did: the nodes find it again */
+  pin_router_port(r, "--port", c.http_port);
+  pin_router_port(r, "--cluster-port", cl_endpoint_port(c.cluster_ep));
+  pin_router_port(r, "--client-port", c.client_ep[0] ? cl_endpoint_port(c.client_ep) : -1);
+  double now = (double)time(NULL);
+  for (int i = 0; i < c.n; i++) c.procs[i].started_time = now;
+  c.sup_pid = getpid();
+  c.sup_start_time = cl_proc_start_time(c.sup_pid, NULL);
   if (cl_save_json(&c) != 0) {
     fprintf(stderr, "pdctl: cannot write %s/cluster.json: %s\n", c.run_dir, strerror(errno));
     return fail_up(&c, false);
@@ -515,155 +655,27 @@ static int cluster_up(int argc, char **argv) {
     for (int i = 0; i < c.n; i++)
       printf("  %-11s pid %-7d log %s/%s.log\n", c.procs[i].name, (int)c.procs[i].pid,
              c.run_dir, c.procs[i].name);
+    printf("  %-11s pid %-7d log %s/supervisor.log (restarts a process that exits, up to %d "
+           "times within %g s)\n",
+           "supervisor", (int)c.sup_pid, c.run_dir, restart_limit, restart_window);
     printf("stop it with: pdctl cluster down --run-dir %s\n", c.run_dir);
   }
-  cl_cluster_free(&c);
-  return 0;
-}
-
-/* ---- status ---- */
-
-static int cluster_status(int argc, char **argv) {
-  const char *run_dir = NULL;
-  bool json = false, help = false;
-  pd_opt opts[] = {
-      {"run-dir", PD_OPT_STR, &run_dir, "DIR", "the cluster's run directory", NULL},
-      {"json", PD_OPT_BOOL, &json, NULL, "print JSON", NULL},
-      {"help", PD_OPT_BOOL, &help, NULL, "show this help", NULL},
-      {0}};
-  pd_err e = {0};
-  if (pd_opts_parse(opts, argc, argv, 3, &e) != PD_OK) return pdctl_fail("%s", e.msg);
-  if (help) {
-    fputs("usage: pdctl cluster status --run-dir DIR [--json]\n"
-          "Exit status 0: every process runs and the router is healthy; 1 otherwise; 3: no "
-          "cluster there.\n",
-          stdout);
-    pd_opts_usage(stdout, opts);
-    return 0;
-  }
-  if (!run_dir) return pdctl_fail("cluster status needs --run-dir DIR");
-  static cluster c;
-  if (cl_load_cluster(run_dir, &c, false) != 0) return 3;
-  int n_alive = 0;
-  bool alive[MAX_PROCS];
-  for (int i = 0; i < c.n; i++) n_alive += alive[i] = cl_proc_alive(&c.procs[i]);
-  int np = -1, nd = -1, hst = -1;
-  char herr[256] = "";
-  char *nodes = NULL;
-  if (c.http_port > 0) {
-    hst = cl_router_health(&c, 3000, &np, &nd, herr, sizeof herr);
-    if (hst > 0) {
-      char url[128];
-      snprintf(url, sizeof url, "http://%s:%d",
-               strcmp(c.host, "0.0.0.0") ? c.host : "127.0.0.1", c.http_port);
-      int ns = pdctl_http(url, "GET", "/cluster/nodes", NULL, NULL, 3000, &nodes, NULL, &e);
-      if (ns != 200) {
-        free(nodes);
-        nodes = NULL;
-      }
-    }
-  }
-  bool healthy = n_alive == c.n && hst == 200;
-  if (json) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "run_dir", c.run_dir);
-    cJSON_AddBoolToObject(o, "healthy", healthy);
-    cJSON_AddNumberToObject(o, "http_port", c.http_port);
-    cJSON_AddStringToObject(o, "client_endpoint", c.client_ep);
-    cJSON *h = cJSON_AddObjectToObject(o, "router_health");
-    cJSON_AddNumberToObject(h, "status", hst);
-    cJSON_AddNumberToObject(h, "prefill_nodes", np);
-    cJSON_AddNumberToObject(h, "decode_nodes", nd);
-    cJSON *arr = cJSON_AddArrayToObject(o, "processes");
-    for (int i = 0; i < c.n; i++) {
-      cJSON *j = cJSON_CreateObject();
-      cJSON_AddStringToObject(j, "name", c.procs[i].name);
-      cJSON_AddStringToObject(j, "role", c.procs[i].role);
-      cJSON_AddNumberToObject(j, "pid", c.procs[i].pid);
-      cJSON_AddBoolToObject(j, "alive", alive[i]);
-      cJSON_AddItemToArray(arr, j);
-    }
-    cJSON *nj = nodes ? cJSON_Parse(nodes) : NULL;
-    if (nj) cJSON_AddItemToObject(o, "nodes", nj);
-    char *s = cJSON_Print(o);
-    if (s) puts(s);
-    free(s);
-    cJSON_Delete(o);
-  } else {
-    printf("cluster in %s: %s\n", c.run_dir, healthy ? "healthy" : "NOT healthy");
-    for (int i = 0; i < c.n; i++)
-      printf("  %-11s pid %-7d %s\n", c.procs[i].name, (int)c.procs[i].pid,
-             alive[i] ? "running" : "not running");
-    if (c.http_port <= 0) printf("  router health: unknown port\n");
-    else if (hst < 0) printf("  router http://127.0.0.1:%d/health: no answer (%s)\n", c.http_port, herr);
-    else
-      printf("  router http://127.0.0.1:%d/health: %d, %d prefill and %d decode nodes alive\n",
-             c.http_port, hst, np, nd);
-    cJSON *nj = nodes ? cJSON_Parse(nodes) : NULL;
-    cJSON *list = nj && cJSON_IsArray(nj) ? nj : nj ? cJSON_GetObjectItemCaseSensitive(nj, "nodes") : NULL;
-    if (!list && nj) list = cJSON_GetObjectItemCaseSensitive(nj, "data");
-    cJSON *n;
-    cJSON_ArrayForEach(n, list) {
-      cJSON *id = cJSON_GetObjectItemCaseSensitive(n, "node_id");
-      if (!id) id = cJSON_GetObjectItemCaseSensitive(n, "id");
-      cJSON *role = cJSON_GetObjectItemCaseSensitive(n, "role");
-      cJSON *state = cJSON_GetObjectItemCaseSensitive(n, "state");
-      printf("  node %-20s %-8s %s\n", cJSON_IsString(id) ? id->valuestring : "?",
-             cJSON_IsString(role) ? role->valuestring : "",
-             cJSON_IsString(state) ? state->valuestring : "");
-    }
-    cJSON_Delete(nj);
-  }
-  free(nodes);
-  return healthy ? 0 : 1;
-}
-
-/* ---- down ---- */
-
-static int cluster_down(int argc, char **argv) {
-  const char *run_dir = NULL;
-  double timeout_s = 10;
-  bool help = false, quiet = false;
-  pd_opt opts[] = {
-      {"run-dir", PD_OPT_STR, &run_dir, "DIR", "the cluster's run directory", NULL},
-      {"timeout", PD_OPT_DOUBLE, &timeout_s, "S",
-       "seconds to wait after SIGTERM before SIGKILL (default 10)", NULL},
-      {"quiet", PD_OPT_BOOL, &quiet, NULL, "print only errors", NULL},
-      {"help", PD_OPT_BOOL, &help, NULL, "show this help", NULL},
-      {0}};
-  pd_err e = {0};
-  if (pd_opts_parse(opts, argc, argv, 3, &e) != PD_OK) return pdctl_fail("%s", e.msg);
-  if (help) {
-    fputs("usage: pdctl cluster down --run-dir DIR [--timeout S]\n", stdout);
-    pd_opts_usage(stdout, opts);
-    return 0;
-  }
-  if (!run_dir) return pdctl_fail("cluster down needs --run-dir DIR");
-  if (timeout_s < 0) return pdctl_fail("--timeout must not be negative");
-  static cluster c;
-  if (cl_load_cluster(run_dir, &c, quiet) != 0) return quiet ? 0 : 3;
-  int running = 0;
-  for (int i = 0; i < c.n; i++) running += cl_proc_alive(&c.procs[i]);
-  int killed = cl_stop_procs(&c, timeout_s, !quiet);
-  int left = 0;
-  for (int i = 0; i < c.n; i++) left += cl_proc_alive(&c.procs[i]);
-  cl_remove_run_files(&c, left == 0);
-  if (left) return pdctl_fail("%d processes are still running after SIGKILL", left);
-  if (!quiet)
-    printf("cluster in %s stopped: %d processes%s\n", c.run_dir, running,
-           killed ? " (some needed SIGKILL)" : "");
-  return 0;
+  return become_supervisor(&c, status_fd);
 }
 
 int cmd_cluster(int argc, char **argv) {
   const char *sub = argc > 2 ? argv[2] : NULL;
   if (sub && !strcmp(sub, "up")) return cluster_up(argc, argv);
-  if (sub && !strcmp(sub, "status")) return cluster_status(argc, argv);
-  if (sub && !strcmp(sub, "down")) return cluster_down(argc, argv);
-  fputs("usage: pdctl cluster up|status|down [options]   ('pdctl cluster up --help')\n"
-        "  up      start pd-router, P pd-prefill and D pd-decode on 127.0.0.1 as daemons\n"
-        "  status  is every process running, is the router healthy\n"
-        "  down    stop them (SIGTERM, then SIGKILL after --timeout)\n",
+  if (sub && !strcmp(sub, "status")) return cl_cmd_status(argc, argv);
+  if (sub && !strcmp(sub, "restart")) return cl_cmd_restart(argc, argv);
+  if (sub && !strcmp(sub, "down")) return cl_cmd_down(argc, argv);
+  if (sub && !strcmp(sub, "supervise")) return cl_cmd_supervise(argc, argv);
+  fputs("usage: pdctl cluster up|status|restart|down [options]   ('pdctl cluster up --help')\n"
+        "  up       start pd-router, P pd-prefill and D pd-decode on 127.0.0.1 as daemons,\n"
+        "           and a supervisor that restarts any of them that exits\n"
+        "  status   every process (state, restarts, last exit), the supervisor, the router\n"
+        "  restart  restart one process by name (router, prefill-0, decode-1, ...)\n"
+        "  down     stop the supervisor, then every process (SIGTERM, SIGKILL after --timeout)\n",
         stderr);
   return sub && (!strcmp(sub, "--help") || !strcmp(sub, "-h")) ? 0 : 2;
 }
