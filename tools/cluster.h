@@ -78,8 +78,6 @@ typedef struct cluster {
 /* DIR/<name><ext> into out. */
 void cl_path_of(char *out, size_t cap, const char *dir, const char *name, const char *ext);
 void cl_sleep_ms(int ms);
-/* The whole file, NUL-terminated (malloc'ed), or NULL. */
-char *cl_read_file(const char *path, size_t *len);
 /* Writes text to path atomically (temp file + rename); -1 with errno on failure. */
 int cl_write_file_atomic(const char *path, const char *text);
 /* Start time of pid in clock ticks since boot (field 22 of /proc/<pid>/stat), 0 if gone.

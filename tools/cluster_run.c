@@ -25,29 +25,6 @@ void cl_sleep_ms(int ms) {
   }
 }
 
-char *cl_read_file(const char *path, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  size_t cap = 4096, n = 0;
-  char *buf = malloc(cap);
-  while (buf) {
-    size_t got = fread(buf + n, 1, cap - n - 1, f);
-    n += got;
-    if (got == 0) break;
-    if (n + 1 == cap) {
-      char *t = realloc(buf, cap *= 2);
-      if (!t) free(buf);
-      buf = t;
-    }
-  }
-  fclose(f);
-  if (buf) {
-    buf[n] = 0;
-    if (len) *len = n;
-  }
-  return buf;
-}
-
 /* Writes text to path atomically (temp file + rename). */
 int cl_write_file_atomic(const char *path, const char *text) {
   char tmp[PATH_MAX + 16];
@@ -68,7 +45,7 @@ int cl_write_file_atomic(const char *path, const char *text) {
 unsigned long long cl_proc_start_time(pid_t pid, bool *zombie) {
   char path[64];
   snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  char *s = cl_read_file(path, NULL);
+  char *s = pdctl_read_file(path, NULL);
   if (zombie) *zombie = false;
   if (!s) return 0;
   /* the command name is in parentheses and may hold spaces: parse after the last ')' */
@@ -102,7 +79,7 @@ bool cl_proc_alive(const proc *p) { return !p->reaped && cl_pid_alive(p->pid, p-
 /* Prints the last n lines of a log file to stderr. */
 void cl_print_log_tail(const char *path, int n) {
   size_t len = 0;
-  char *s = cl_read_file(path, &len);
+  char *s = pdctl_read_file(path, &len);
   if (!s) {
     fprintf(stderr, "  (no log at %s)\n", path);
     return;
@@ -340,7 +317,7 @@ void cl_remove_run_files(const cluster *c, bool also_json) {
 static bool cmdline_has(pid_t pid, const char *what) {
   char path[64];
   snprintf(path, sizeof path, "/proc/%d/cmdline", (int)pid);
-  char *cl = pid > 0 ? cl_read_file(path, NULL) : NULL;
+  char *cl = pid > 0 ? pdctl_read_file(path, NULL) : NULL;
   bool yes = cl && strstr(cl, what);
   free(cl);
   return yes;
@@ -469,7 +446,7 @@ int cl_load_cluster(const char *run_dir, cluster *c, bool quiet) {
   snprintf(c->host, sizeof c->host, "127.0.0.1");
   char path[PATH_MAX + 64];
   cl_path_of(path, sizeof path, run_dir, "cluster", ".json");
-  char *s = cl_read_file(path, NULL);
+  char *s = pdctl_read_file(path, NULL);
   cJSON *o = s ? cJSON_Parse(s) : NULL;
   free(s);
   if (o) {
@@ -496,7 +473,7 @@ int cl_load_cluster(const char *run_dir, cluster *c, bool quiet) {
   }
   /* no cluster.json: the supervisor's pid file, if its process is a pdctl */
   cl_path_of(path, sizeof path, run_dir, "supervisor", ".pid");
-  char *sp = cl_read_file(path, NULL);
+  char *sp = pdctl_read_file(path, NULL);
   if (sp) {
     c->sup_pid = (pid_t)atoi(sp);
     free(sp);
@@ -510,7 +487,7 @@ int cl_load_cluster(const char *run_dir, cluster *c, bool quiet) {
       if (r == 0) snprintf(name, sizeof name, "router");
       else snprintf(name, sizeof name, "%s-%d", roles[r], i);
       cl_path_of(path, sizeof path, run_dir, name, ".pid");
-      char *t = cl_read_file(path, NULL);
+      char *t = pdctl_read_file(path, NULL);
       if (!t) continue;
       proc *p = &c->procs[c->n++];
       memset(p, 0, sizeof *p);
@@ -564,7 +541,7 @@ int cl_find_strays(const cluster *c, cluster *strays) {
     char path[64];
     snprintf(path, sizeof path, "/proc/%ld/cmdline", pid);
     size_t len = 0;
-    char *cl = cl_read_file(path, &len);
+    char *cl = pdctl_read_file(path, &len);
     if (cl && argv_has_ready_file_in(cl, len, c->run_dir)) {
       bool zombie = false;
       unsigned long long st = cl_proc_start_time((pid_t)pid, &zombie);
@@ -614,7 +591,7 @@ int cl_router_health(const cluster *c, int timeout_ms, int *n_prefill, int *n_de
 cJSON *cl_read_ready(const cluster *c, const proc *p) {
   char path[PATH_MAX + 64];
   cl_path_of(path, sizeof path, c->run_dir, p->name, ".ready");
-  char *s = cl_read_file(path, NULL);
+  char *s = pdctl_read_file(path, NULL);
   cJSON *o = s ? cJSON_Parse(s) : NULL;
   free(s);
   return o;
