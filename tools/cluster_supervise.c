@@ -1,5 +1,5 @@
-/* The supervisor of a local cluster (`pdctl cluster supervise --run-dir DIR`, started by
- * `pdctl cluster up` once the cluster is healthy; cluster.h).
+/* The supervisor of a local cluster (`pdctl cluster supervise --run-dir DIR --ready-fd N`,
+ * which `pdctl cluster up` becomes once the cluster is healthy; cluster.h).
  *
  * It is the parent of every process of the cluster, so it learns of an exit at once (SIGCHLD,
  * waitpid) and knows how the process ended. A process that exits, for whatever reason and with
@@ -199,8 +199,9 @@ static proc *find_pid(cluster *c, pid_t pid) {
   return NULL;
 }
 
-/* The loop: exits, requests, timers, ready files; cluster.json after every change. */
-static int supervise(cluster *c) {
+/* The loop: exits, requests, timers, ready files; cluster.json after every change. One byte to
+ * ready_fd (unless -1) once it runs. */
+static int supervise(cluster *c, int ready_fd) {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGCHLD);
@@ -212,6 +213,11 @@ static int supervise(cluster *c) {
   signal(SIGPIPE, SIG_IGN);
   slog("supervising %d processes in %s (pid %d; restart limit %d within %g s)", c->n, c->run_dir,
        (int)getpid(), c->restart_limit, c->restart_window);
+  if (ready_fd >= 0) {
+    ssize_t w = write(ready_fd, "", 1);
+    (void)w;
+    close(ready_fd);
+  }
   int stop_sig = 0;
   for (;;) {
     bool dirty = false;
@@ -262,18 +268,22 @@ static int supervise(cluster *c) {
   return 0;
 }
 
-/* `pdctl cluster supervise --run-dir DIR`: what `up` becomes once the cluster is healthy (it
+/* `pdctl cluster supervise --run-dir DIR [--ready-fd N]`: what `up` becomes once the cluster is healthy (it
  * executes it in the process that started the cluster, so every process is its child). */
 int cl_cmd_supervise(int argc, char **argv) {
   const char *run_dir = NULL;
+  int ready_fd = -1;
   bool help = false;
   pd_opt opts[] = {{"run-dir", PD_OPT_STR, &run_dir, "DIR", "the cluster's run directory", NULL},
+                   {"ready-fd", PD_OPT_INT, &ready_fd, "N",
+                    "write one byte to file descriptor N once supervising (`cluster up` waits "
+                    "for it)", NULL},
                    {"help", PD_OPT_BOOL, &help, NULL, "show this help", NULL},
                    {0}};
   pd_err e = {0};
   if (pd_opts_parse(opts, argc, argv, 3, &e) != PD_OK) return pdctl_fail("%s", e.msg);
   if (help) {
-    fputs("usage: pdctl cluster supervise --run-dir DIR\n"
+    fputs("usage: pdctl cluster supervise --run-dir DIR [--ready-fd N]\n"
           "The supervisor that `pdctl cluster up` leaves running; not started by hand.\n",
           stdout);
     pd_opts_usage(stdout, opts);
@@ -300,7 +310,7 @@ int cl_cmd_supervise(int argc, char **argv) {
       else if (r == p->pid)
         on_exit_status(&c, p, st);
     }
-    if (rc == 0) rc = supervise(&c);
+    if (rc == 0) rc = supervise(&c, ready_fd);
   }
   cl_cluster_free(&c);
   return rc;

@@ -128,12 +128,12 @@ static int fail_up(cluster *c, bool keep) {
 
 /* `up` in two processes. The parent (the command the user ran) waits; the child starts every
  * process of the cluster, so that they are its children, and once the cluster is healthy it
- * becomes their supervisor (become_supervisor) and tells the parent, which exits 0. When the
- * start fails the child cleans up and exits non-zero, and the parent exits with its status.
- * Ctrl-C or SIGTERM to the parent reach the child (which stops what it started).
- * Returns the write end of the status pipe in the child; in the parent it never returns. On a
- * failure to fork, -1 (the exit status, negated). */
-static int fork_supervisor(void) {
+ * becomes their supervisor (become_supervisor), which tells the parent once it supervises;
+ * the parent then exits 0. When the start fails the child cleans up and exits non-zero, and
+ * the parent exits with its status. Ctrl-C or SIGTERM to the parent reach the child (which
+ * stops what it started). Returns the write end of the status pipe in the child; in the parent
+ * it never returns. On a failure to fork, -1 (the exit status, negated). */
+static int fork_supervisor(const char *run_dir) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return -pdctl_fail("pipe: %s", strerror(errno));
   fflush(NULL);
@@ -166,7 +166,13 @@ static int fork_supervisor(void) {
   int st = 0;
   while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
   }
-  if (WIFEXITED(st)) exit(WEXITSTATUS(st));
+  char path[PATH_MAX + 64];
+  cl_path_of(path, sizeof path, run_dir, "supervisor", ".pid");
+  if (access(path, F_OK) == 0) /* the cluster was up: the supervisor itself failed */
+    fprintf(stderr, "pdctl: the supervisor did not start (%s/supervisor.log says why); the "
+                    "processes run unsupervised: `pdctl cluster down --run-dir %s` stops them\n",
+            run_dir, run_dir);
+  if (WIFEXITED(st)) exit(WEXITSTATUS(st) ? WEXITSTATUS(st) : 1);
   char how[64];
   cl_exit_reason(st, how, sizeof how);
   fprintf(stderr, "pdctl: the process starting the cluster (pid %d) ended: %s\n", (int)child, how);
@@ -174,8 +180,9 @@ static int fork_supervisor(void) {
 }
 
 /* The child of fork_supervisor, with a healthy cluster on record in cluster.json: a daemon
- * (own session, output to DIR/supervisor.log, pid in DIR/supervisor.pid) that tells the
- * waiting parent and runs `pdctl cluster supervise --run-dir DIR` in this very process. */
+ * (own session, output to DIR/supervisor.log, pid in DIR/supervisor.pid) that runs `pdctl
+ * cluster supervise --run-dir DIR --ready-fd N` in this very process; the supervisor tells the
+ * waiting parent through N once it supervises. */
 static int become_supervisor(cluster *c, int status_fd) {
   char logp[PATH_MAX + 64], pidp[PATH_MAX + 64];
   cl_path_of(logp, sizeof logp, c->run_dir, "supervisor", ".log");
@@ -198,20 +205,19 @@ static int become_supervisor(cluster *c, int status_fd) {
   dup2(logfd, 2);
   close(nullfd);
   close(logfd);
-  ssize_t w = write(status_fd, "", 1);
-  (void)w;
-  close(status_fd);
+  fcntl(status_fd, F_SETFD, 0); /* kept across exec (the processes it starts close it) */
   signal(SIGINT, SIG_DFL);
   signal(SIGTERM, SIG_DFL);
-  char self[PATH_MAX];
+  char self[PATH_MAX], fd[16];
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
   self[n > 0 ? n : 0] = 0;
-  char *args[] = {self, "cluster", "supervise", "--run-dir", c->run_dir, NULL};
+  snprintf(fd, sizeof fd, "%d", status_fd);
+  char *args[] = {self, "cluster", "supervise", "--run-dir", c->run_dir, "--ready-fd", fd, NULL};
   cl_cluster_free(c);
   if (n > 0) execv(self, args);
   fprintf(stderr, "pdctl: cannot execute %s (%s): supervising from this process\n", self,
           strerror(errno));
-  return cl_cmd_supervise(5, args);
+  return cl_cmd_supervise(7, args);
 }
 
 /* Sets every value of a router flag in r's argv (`--flag V` and `--flag=V`) to v. */
@@ -475,7 +481,7 @@ static int cluster_up(int argc, char **argv) {
   sigaction(SIGTERM, &sa, NULL);
   /* From here on the child does the work: it starts every process (so they are its children)
    * and, once the cluster is healthy, becomes its supervisor; this process waits for it. */
-  int status_fd = fork_supervisor();
+  int status_fd = fork_supervisor(c.run_dir);
   if (status_fd < 0) {
     cl_cluster_free(&c);
     return -status_fd;
