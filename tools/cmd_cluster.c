@@ -1,25 +1,21 @@
-/* pdctl cluster up|status|down: a local cluster of one pd-router, P pd-prefill and D pd-decode
- * processes on 127.0.0.1, run as daemons and described in a run directory:
- *
- *   DIR/<name>.pid     the process id          (name: router, prefill-0.., decode-0..)
- *   DIR/<name>.log     its stdout and stderr
- *   DIR/<name>.ready   the ready file the process writes once serving (docs/cluster.md)
- *   DIR/cluster.json   ports, endpoints, pids (with their start times, so a recycled pid is
- *                      never signalled), command lines
+/* pdctl cluster up: a local cluster of one pd-router, P pd-prefill and D pd-decode processes on
+ * 127.0.0.1, run as daemons under a supervisor and described in a run directory (cluster.h).
  *
  * `up` starts the router with free cluster and client ports (port 0: the router binds and
  * reports them in its ready file, so there is no race for a port), then the nodes pointing at
  * it, and waits — bounded — until the router's /health is 200 with every node counted. If a
  * process dies or the wait times out it prints the tail of the failing log, stops everything it
- * started and exits 1. `status` checks each process and the router; `down` sends SIGTERM,
- * waits, sends SIGKILL after a timeout and removes the pid and ready files (logs stay). */
+ * started and exits 1. Once the cluster is healthy, the router's recorded argv is pinned to the
+ * ports it bound (a restarted router is found by the nodes again), and the process that
+ * started the processes stays behind as their supervisor (cluster_supervise.c). `status`,
+ * `restart` and `down` are in cluster_ctl.c. */
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,140 +25,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cluster.h"
 #include "pdctl.h"
 
-#define MAX_PROCS 66 /* router + up to 32 prefill + 32 decode (+1 spare) */
-#define MAX_ARGS 256
-
-typedef struct proc {
-  char name[32];   /* router, prefill-0, decode-1, ... */
-  char role[16];   /* router, prefill, decode */
-  pid_t pid;
-  unsigned long long start_time; /* /proc/<pid>/stat field 22: tells a recycled pid apart */
-  bool reaped;     /* `up`: waitpid saw it exit */
-  int exit_status; /* its wait status when reaped */
-  int metrics_port;
-  char kv_endpoint[128];
-  char *argv[MAX_ARGS];
-  int argc;
-} proc;
-
-typedef struct cluster {
-  char run_dir[PATH_MAX];
-  char model[PATH_MAX];
-  int http_port;
-  char host[64];
-  char cluster_ep[128], client_ep[128];
-  proc procs[MAX_PROCS];
-  int n;
-  int n_prefill, n_decode;
-} cluster;
-
-/* ---- small helpers ---- */
-
-static void path_of(char *out, size_t cap, const char *dir, const char *name, const char *ext) {
-  snprintf(out, cap, "%s/%s%s", dir, name, ext);
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-  }
-}
-
-static char *read_file(const char *path, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  size_t cap = 4096, n = 0;
-  char *buf = malloc(cap);
-  while (buf) {
-    size_t got = fread(buf + n, 1, cap - n - 1, f);
-    n += got;
-    if (got == 0) break;
-    if (n + 1 == cap) {
-      char *t = realloc(buf, cap *= 2);
-      if (!t) free(buf);
-      buf = t;
-    }
-  }
-  fclose(f);
-  if (buf) {
-    buf[n] = 0;
-    if (len) *len = n;
-  }
-  return buf;
-}
-
-/* Writes text to path atomically (temp file + rename). */
-static int write_file_atomic(const char *path, const char *text) {
-  char tmp[PATH_MAX + 16];
-  snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
-  FILE *f = fopen(tmp, "w");
-  if (!f) return -1;
-  bool ok = fputs(text, f) >= 0;
-  ok = (fclose(f) == 0) && ok;
-  if (!ok || rename(tmp, path) != 0) {
-    unlink(tmp);
-    return -1;
-  }
-  return 0;
-}
-
-/* Start time of pid in clock ticks since boot (field 22 of /proc/<pid>/stat), 0 if gone.
- * *zombie tells an exited process that nobody has reaped yet. */
-static unsigned long long proc_start_time(pid_t pid, bool *zombie) {
-  char path[64];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  char *s = read_file(path, NULL);
-  if (zombie) *zombie = false;
-  if (!s) return 0;
-  /* the command name is in parentheses and may hold spaces: parse after the last ')' */
-  char *p = strrchr(s, ')');
-  unsigned long long st = 0;
-  if (p) {
-    char state = p[2];
-    if (zombie) *zombie = state == 'Z' || state == 'X';
-    p += 2;
-    for (int field = 3; field < 22 && p; field++) {
-      p = strchr(p, ' ');
-      if (p) p++;
-    }
-    if (p) st = strtoull(p, NULL, 10);
-  }
-  free(s);
-  return st;
-}
-
-/* Whether the process we started (pid + start time) still runs. */
-static bool proc_alive(const proc *p) {
-  if (p->pid <= 0 || p->reaped) return false;
-  bool zombie = false;
-  unsigned long long st = proc_start_time(p->pid, &zombie);
-  if (st == 0 || zombie) return false;
-  return p->start_time == 0 || st == p->start_time;
-}
-
-/* Prints the last n lines of a log file to stderr. */
-static void print_log_tail(const char *path, int n) {
-  size_t len = 0;
-  char *s = read_file(path, &len);
-  if (!s) {
-    fprintf(stderr, "  (no log at %s)\n", path);
-    return;
-  }
-  size_t i = len;
-  while (i > 0 && s[i - 1] == '\n') i--;
-  int lines = 0;
-  size_t start = i;
-  while (start > 0) {
-    if (s[start - 1] == '\n' && ++lines == n) break;
-    start--;
-  }
-  fprintf(stderr, "---- last lines of %s ----\n%.*s\n----\n", path, (int)(i - start), s + start);
-  free(s);
-}
-
-/* The folder holding this executable (/proc/self/exe), or "" if unknown. */
 static void self_dir(char *out, size_t cap) {
   char buf[PATH_MAX];
   ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
@@ -220,354 +85,6 @@ static bool port_free(int port) {
   return ok;
 }
 
-static char *xstrdup(const char *s) {
-  char *d = strdup(s);
-  if (!d) {
-    fputs("pdctl: out of memory\n", stderr);
-    exit(1);
-  }
-  return d;
-}
-
-static void proc_arg(proc *p, const char *a) {
-  if (p->argc + 1 >= MAX_ARGS) {
-    fputs("pdctl: too many arguments\n", stderr);
-    exit(1);
-  }
-  p->argv[p->argc++] = xstrdup(a);
-  p->argv[p->argc] = NULL;
-}
-
-static void proc_argf(proc *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void proc_argf(proc *p, const char *fmt, ...) {
-  char buf[PATH_MAX + 64];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, sizeof buf, fmt, ap);
-  va_end(ap);
-  proc_arg(p, buf);
-}
-
-static void cluster_free(cluster *c) {
-  for (int i = 0; i < c->n; i++)
-    for (int k = 0; k < c->procs[i].argc; k++) free(c->procs[i].argv[k]);
-  c->n = 0;
-}
-
-/* Starts p as a daemon: its own session, stdin from /dev/null, stdout and stderr appended to
- * DIR/<name>.log, its pid in DIR/<name>.pid. Exec failures come back through a close-on-exec
- * pipe, so "binary not executable" is reported here rather than as a silent death. */
-static int spawn(const cluster *c, proc *p) {
-  char logp[PATH_MAX + 64], pidp[PATH_MAX + 64];
-  path_of(logp, sizeof logp, c->run_dir, p->name, ".log");
-  path_of(pidp, sizeof pidp, c->run_dir, p->name, ".pid");
-  int logfd = open(logp, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
-  if (logfd < 0) {
-    fprintf(stderr, "pdctl: %s: %s\n", logp, strerror(errno));
-    return -1;
-  }
-  int pfd[2];
-  if (pipe2(pfd, O_CLOEXEC) != 0) {
-    fprintf(stderr, "pdctl: pipe: %s\n", strerror(errno));
-    close(logfd);
-    return -1;
-  }
-  fflush(NULL);
-  pid_t pid = fork();
-  if (pid < 0) {
-    fprintf(stderr, "pdctl: fork: %s\n", strerror(errno));
-    close(logfd);
-    close(pfd[0]);
-    close(pfd[1]);
-    return -1;
-  }
-  if (pid == 0) {
-    setsid();
-    int devnull = open("/dev/null", O_RDONLY);
-    if (devnull >= 0) dup2(devnull, 0);
-    dup2(logfd, 1);
-    dup2(logfd, 2);
-    /* close everything else but the error pipe (close-on-exec) */
-    long maxfd = sysconf(_SC_OPEN_MAX);
-    for (int fd = 3; fd < (maxfd > 0 && maxfd < 65536 ? maxfd : 1024); fd++)
-      if (fd != pfd[1]) close(fd);
-    signal(SIGINT, SIG_DFL);
-    signal(SIGTERM, SIG_DFL);
-    signal(SIGPIPE, SIG_DFL);
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, NULL);
-    execv(p->argv[0], p->argv);
-    int err = errno;
-    ssize_t w = write(pfd[1], &err, sizeof err);
-    (void)w;
-    _exit(127);
-  }
-  close(logfd);
-  close(pfd[1]);
-  int err = 0;
-  ssize_t r;
-  while ((r = read(pfd[0], &err, sizeof err)) < 0 && errno == EINTR) {
-  }
-  close(pfd[0]);
-  if (r == (ssize_t)sizeof err) {
-    fprintf(stderr, "pdctl: cannot run %s: %s\n", p->argv[0], strerror(err));
-    waitpid(pid, NULL, 0);
-    return -1;
-  }
-  p->pid = pid;
-  p->start_time = proc_start_time(pid, NULL);
-  char num[32];
-  snprintf(num, sizeof num, "%d\n", (int)pid);
-  if (write_file_atomic(pidp, num) != 0)
-    fprintf(stderr, "pdctl: warning: cannot write %s: %s\n", pidp, strerror(errno));
-  return 0;
-}
-
-/* `up`: notes children that exited (so they are not mistaken for alive) and reaps them. */
-static void reap(cluster *c) {
-  for (int i = 0; i < c->n; i++) {
-    proc *p = &c->procs[i];
-    if (p->pid <= 0 || p->reaped) continue;
-    int st;
-    pid_t r = waitpid(p->pid, &st, WNOHANG);
-    if (r == p->pid) {
-      p->reaped = true;
-      p->exit_status = st;
-    }
-  }
-}
-
-static void describe_exit(const proc *p, char *out, size_t cap) {
-  if (!p->reaped) snprintf(out, cap, "exited");
-  else if (WIFEXITED(p->exit_status))
-    snprintf(out, cap, "exited with status %d", WEXITSTATUS(p->exit_status));
-  else if (WIFSIGNALED(p->exit_status))
-    snprintf(out, cap, "was killed by signal %d (%s)", WTERMSIG(p->exit_status),
-             strsignal(WTERMSIG(p->exit_status)));
-  else
-    snprintf(out, cap, "exited");
-}
-
-/* Stops processes: SIGTERM to the nodes, then to the router (so nodes can deregister), waits
- * up to timeout_s in all, then SIGKILL. Children of this process are reaped. Returns the number
- * that needed SIGKILL. */
-static int stop_procs(cluster *c, double timeout_s, bool verbose) {
-  double t0 = pdctl_now();
-  int killed = 0;
-  for (int pass = 0; pass < 2; pass++) {
-    bool router_pass = pass == 1;
-    for (int i = 0; i < c->n; i++) {
-      proc *p = &c->procs[i];
-      if ((strcmp(p->role, "router") == 0) != router_pass) continue;
-      if (proc_alive(p)) kill(p->pid, SIGTERM);
-    }
-    /* the nodes get up to half the time before the router is told */
-    double until = router_pass ? t0 + timeout_s : t0 + timeout_s / 2;
-    for (;;) {
-      reap(c);
-      bool any = false;
-      for (int i = 0; i < c->n; i++) {
-        proc *p = &c->procs[i];
-        if ((strcmp(p->role, "router") == 0) != router_pass) continue;
-        if (proc_alive(p)) any = true;
-      }
-      if (!any || pdctl_now() >= until) break;
-      sleep_ms(50);
-    }
-  }
-  for (int i = 0; i < c->n; i++) {
-    proc *p = &c->procs[i];
-    if (!proc_alive(p)) continue;
-    if (verbose) fprintf(stderr, "pdctl: %s (pid %d) ignored SIGTERM: SIGKILL\n", p->name, p->pid);
-    kill(p->pid, SIGKILL);
-    killed++;
-  }
-  double kdeadline = pdctl_now() + 5;
-  for (;;) {
-    reap(c);
-    bool any = false;
-    for (int i = 0; i < c->n; i++) any |= proc_alive(&c->procs[i]);
-    if (!any || pdctl_now() >= kdeadline) break;
-    sleep_ms(20);
-  }
-  return killed;
-}
-
-static void remove_run_files(const cluster *c, bool also_json) {
-  char path[PATH_MAX + 64];
-  for (int i = 0; i < c->n; i++) {
-    path_of(path, sizeof path, c->run_dir, c->procs[i].name, ".pid");
-    unlink(path);
-    path_of(path, sizeof path, c->run_dir, c->procs[i].name, ".ready");
-    unlink(path);
-  }
-  if (also_json) {
-    path_of(path, sizeof path, c->run_dir, "cluster", ".json");
-    unlink(path);
-  }
-}
-
-/* ---- cluster.json ---- */
-
-static int save_json(const cluster *c) {
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddStringToObject(o, "run_dir", c->run_dir);
-  cJSON_AddStringToObject(o, "model", c->model);
-  char url[128];
-  snprintf(url, sizeof url, "http://%s:%d", c->host, c->http_port);
-  cJSON_AddStringToObject(o, "http_url", url);
-  cJSON_AddStringToObject(o, "host", c->host);
-  cJSON_AddNumberToObject(o, "http_port", c->http_port);
-  cJSON_AddStringToObject(o, "cluster_endpoint", c->cluster_ep);
-  cJSON_AddStringToObject(o, "client_endpoint", c->client_ep);
-  cJSON_AddNumberToObject(o, "prefill", c->n_prefill);
-  cJSON_AddNumberToObject(o, "decode", c->n_decode);
-  cJSON_AddNumberToObject(o, "started_at", (double)time(NULL));
-  cJSON *arr = cJSON_AddArrayToObject(o, "processes");
-  for (int i = 0; i < c->n; i++) {
-    const proc *p = &c->procs[i];
-    cJSON *j = cJSON_CreateObject();
-    cJSON_AddStringToObject(j, "name", p->name);
-    cJSON_AddStringToObject(j, "role", p->role);
-    cJSON_AddNumberToObject(j, "pid", p->pid);
-    cJSON_AddNumberToObject(j, "start_time", (double)p->start_time);
-    char path[PATH_MAX + 64];
-    path_of(path, sizeof path, c->run_dir, p->name, ".log");
-    cJSON_AddStringToObject(j, "log", path);
-    path_of(path, sizeof path, c->run_dir, p->name, ".pid");
-    cJSON_AddStringToObject(j, "pid_file", path);
-    if (p->metrics_port > 0) cJSON_AddNumberToObject(j, "metrics_port", p->metrics_port);
-    if (p->kv_endpoint[0]) cJSON_AddStringToObject(j, "kv_endpoint", p->kv_endpoint);
-    cJSON *av = cJSON_AddArrayToObject(j, "argv");
-    for (int k = 0; k < p->argc; k++) cJSON_AddItemToArray(av, cJSON_CreateString(p->argv[k]));
-    cJSON_AddItemToArray(arr, j);
-  }
-  char *s = cJSON_Print(o);
-  cJSON_Delete(o);
-  char path[PATH_MAX + 64];
-  path_of(path, sizeof path, c->run_dir, "cluster", ".json");
-  size_t l = s ? strlen(s) : 0;
-  char *t = s ? realloc(s, l + 2) : NULL;
-  if (t) {
-    t[l] = '\n';
-    t[l + 1] = 0;
-  }
-  int rc = t ? write_file_atomic(path, t) : -1;
-  free(t ? t : s);
-  return rc;
-}
-
-/* Loads DIR/cluster.json; without it, falls back to the pid files (a cluster.json lost to a
- * crash of `up`) so `down` can still stop what runs. */
-static int load_cluster(const char *run_dir, cluster *c, bool quiet) {
-  memset(c, 0, sizeof *c);
-  snprintf(c->run_dir, sizeof c->run_dir, "%s", run_dir);
-  snprintf(c->host, sizeof c->host, "127.0.0.1");
-  char path[PATH_MAX + 64];
-  path_of(path, sizeof path, run_dir, "cluster", ".json");
-  char *s = read_file(path, NULL);
-  cJSON *o = s ? cJSON_Parse(s) : NULL;
-  free(s);
-  if (o) {
-    cJSON *v;
-    if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(o, "model")))
-      snprintf(c->model, sizeof c->model, "%s", v->valuestring);
-    if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(o, "host")))
-      snprintf(c->host, sizeof c->host, "%s", v->valuestring);
-    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(o, "http_port")))
-      c->http_port = v->valueint;
-    if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(o, "cluster_endpoint")))
-      snprintf(c->cluster_ep, sizeof c->cluster_ep, "%s", v->valuestring);
-    if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(o, "client_endpoint")))
-      snprintf(c->client_ep, sizeof c->client_ep, "%s", v->valuestring);
-    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(o, "prefill")))
-      c->n_prefill = v->valueint;
-    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(o, "decode")))
-      c->n_decode = v->valueint;
-    cJSON *arr = cJSON_GetObjectItemCaseSensitive(o, "processes");
-    cJSON *j;
-    cJSON_ArrayForEach(j, arr) {
-      if (c->n >= MAX_PROCS) break;
-      proc *p = &c->procs[c->n];
-      memset(p, 0, sizeof *p);
-      cJSON *name = cJSON_GetObjectItemCaseSensitive(j, "name");
-      cJSON *role = cJSON_GetObjectItemCaseSensitive(j, "role");
-      cJSON *pid = cJSON_GetObjectItemCaseSensitive(j, "pid");
-      cJSON *stt = cJSON_GetObjectItemCaseSensitive(j, "start_time");
-      if (!cJSON_IsString(name) || !cJSON_IsNumber(pid)) continue;
-      snprintf(p->name, sizeof p->name, "%s", name->valuestring);
-      snprintf(p->role, sizeof p->role, "%s", cJSON_IsString(role) ? role->valuestring : "");
-      p->pid = (pid_t)pid->valueint;
-      p->start_time = cJSON_IsNumber(stt) ? (unsigned long long)stt->valuedouble : 0;
-      if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "metrics_port")))
-        p->metrics_port = v->valueint;
-      if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(j, "kv_endpoint")))
-        snprintf(p->kv_endpoint, sizeof p->kv_endpoint, "%s", v->valuestring);
-      c->n++;
-    }
-    cJSON_Delete(o);
-    return 0;
-  }
-  /* no cluster.json: the pid files that exist */
-  const char *roles[3] = {"router", "prefill", "decode"};
-  for (int r = 0; r < 3; r++) {
-    for (int i = 0; i < (r == 0 ? 1 : 32); i++) {
-      char name[32];
-      if (r == 0) snprintf(name, sizeof name, "router");
-      else snprintf(name, sizeof name, "%s-%d", roles[r], i);
-      path_of(path, sizeof path, run_dir, name, ".pid");
-      char *t = read_file(path, NULL);
-      if (!t) continue;
-      proc *p = &c->procs[c->n++];
-      memset(p, 0, sizeof *p);
-      snprintf(p->name, sizeof p->name, "%s", name);
-      snprintf(p->role, sizeof p->role, "%s", roles[r]);
-      p->pid = (pid_t)atoi(t);
-      free(t);
-      /* no start time on record: only signal a process whose command line names the binary */
-      char cmd[64], *cl;
-      snprintf(cmd, sizeof cmd, "/proc/%d/cmdline", (int)p->pid);
-      cl = read_file(cmd, NULL);
-      if (!cl || !strstr(cl, r == 0 ? "pd-router" : r == 1 ? "pd-prefill" : "pd-decode"))
-        p->pid = 0;
-      free(cl);
-    }
-  }
-  if (c->n == 0) {
-    if (!quiet) fprintf(stderr, "pdctl: no cluster in %s (no cluster.json, no pid files)\n", run_dir);
-    return -1;
-  }
-  return 0;
-}
-
-/* Router health: the HTTP status (-1: no answer) and the node counts it reports. */
-static int router_health(const cluster *c, int timeout_ms, int *n_prefill, int *n_decode,
-                         char *err, size_t errcap) {
-  char url[128];
-  snprintf(url, sizeof url, "http://%s:%d", strcmp(c->host, "0.0.0.0") ? c->host : "127.0.0.1",
-           c->http_port);
-  char *body = NULL;
-  pd_err e = {0};
-  int st = pdctl_http(url, "GET", "/health", NULL, NULL, timeout_ms, &body, NULL, &e);
-  *n_prefill = *n_decode = -1;
-  if (st < 0) {
-    if (err) snprintf(err, errcap, "%.200s", e.msg);
-    return -1;
-  }
-  cJSON *o = body ? cJSON_Parse(body) : NULL;
-  cJSON *p = o ? cJSON_GetObjectItemCaseSensitive(o, "prefill_nodes") : NULL;
-  cJSON *d = o ? cJSON_GetObjectItemCaseSensitive(o, "decode_nodes") : NULL;
-  if (cJSON_IsNumber(p)) *n_prefill = p->valueint;
-  if (cJSON_IsNumber(d)) *n_decode = d->valueint;
-  if (err) snprintf(err, errcap, "HTTP %d %.200s", st, body ? body : "");
-  cJSON_Delete(o);
-  free(body);
-  return st;
-}
-
-/* ---- up ---- */
-
 /* Ctrl-C or SIGTERM while `up` waits: stop what was started instead of leaving it behind. */
 static volatile sig_atomic_t g_up_interrupted;
 static void on_up_signal(int sig) { g_up_interrupted = sig; }
@@ -579,30 +96,20 @@ static bool check_interrupted(void) {
   return true;
 }
 
-/* Reads a ready file (JSON) when present; NULL otherwise. */
-static cJSON *read_ready(const cluster *c, const proc *p) {
-  char path[PATH_MAX + 64];
-  path_of(path, sizeof path, c->run_dir, p->name, ".ready");
-  char *s = read_file(path, NULL);
-  cJSON *o = s ? cJSON_Parse(s) : NULL;
-  free(s);
-  return o;
-}
-
 /* The first process of c that is not running, or NULL. */
 static proc *first_dead(cluster *c) {
-  reap(c);
+  cl_reap(c);
   for (int i = 0; i < c->n; i++)
-    if (!proc_alive(&c->procs[i])) return &c->procs[i];
+    if (!cl_proc_alive(&c->procs[i])) return &c->procs[i];
   return NULL;
 }
 
 static void report_dead(const cluster *c, const proc *p) {
   char how[96], logp[PATH_MAX + 64];
-  describe_exit(p, how, sizeof how);
-  path_of(logp, sizeof logp, c->run_dir, p->name, ".log");
-  fprintf(stderr, "pdctl: %s (pid %d) %s during startup\n", p->name, (int)p->pid, how);
-  print_log_tail(logp, 20);
+  cl_describe_exit(p, how, sizeof how);
+  cl_path_of(logp, sizeof logp, c->run_dir, p->name, ".log");
+  fprintf(stderr, "pdctl: %s (pid %d) ended during startup: %s\n", p->name, (int)p->pid, how);
+  cl_print_log_tail(logp, 20);
 }
 
 static int fail_up(cluster *c, bool keep) {
@@ -610,20 +117,129 @@ static int fail_up(cluster *c, bool keep) {
     fprintf(stderr, "pdctl: --keep-on-failure: leaving the processes running; "
                     "`pdctl cluster down --run-dir %s` stops them\n",
             c->run_dir);
-    save_json(c);
+    cl_save_json(c);
   } else {
-    stop_procs(c, 5, false);
-    remove_run_files(c, true);
+    cl_stop_procs(c, 5, false);
+    cl_remove_run_files(c, true);
   }
-  cluster_free(c);
+  cl_cluster_free(c);
   return 1;
+}
+
+/* `up` in two processes. The parent (the command the user ran) waits; the child starts every
+ * process of the cluster, so that they are its children, and once the cluster is healthy it
+ * becomes their supervisor (become_supervisor), which tells the parent once it supervises;
+ * the parent then exits 0. When the start fails the child cleans up and exits non-zero, and
+ * the parent exits with its status. Ctrl-C or SIGTERM to the parent reach the child (which
+ * stops what it started). Returns the write end of the status pipe in the child; in the parent
+ * it never returns. On a failure to fork, -1 (the exit status, negated). */
+static int fork_supervisor(const char *run_dir) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return -pdctl_fail("pipe: %s", strerror(errno));
+  fflush(NULL);
+  pid_t child = fork();
+  if (child < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return -pdctl_fail("fork: %s", strerror(errno));
+  }
+  if (child == 0) {
+    close(fds[0]);
+    return fds[1];
+  }
+  close(fds[1]);
+  bool forwarded = false;
+  for (;;) {
+    if (g_up_interrupted && !forwarded) {
+      kill(child, g_up_interrupted);
+      forwarded = true;
+    }
+    struct pollfd pfd = {.fd = fds[0], .events = POLLIN};
+    int r = poll(&pfd, 1, 200);
+    if (r <= 0) continue; /* timeout, or EINTR from a signal: forward it */
+    char b;
+    ssize_t n = read(fds[0], &b, 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n == 1) exit(0); /* healthy and supervised; the child printed the summary */
+    break;               /* EOF: the child ended */
+  }
+  int st = 0;
+  while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
+  }
+  char path[PATH_MAX + 64];
+  cl_path_of(path, sizeof path, run_dir, "supervisor", ".pid");
+  if (access(path, F_OK) == 0) /* the cluster was up: the supervisor itself failed */
+    fprintf(stderr, "pdctl: the supervisor did not start (%s/supervisor.log says why); the "
+                    "processes run unsupervised: `pdctl cluster down --run-dir %s` stops them\n",
+            run_dir, run_dir);
+  if (WIFEXITED(st)) exit(WEXITSTATUS(st) ? WEXITSTATUS(st) : 1);
+  char how[64];
+  cl_exit_reason(st, how, sizeof how);
+  fprintf(stderr, "pdctl: the process starting the cluster (pid %d) ended: %s\n", (int)child, how);
+  exit(1);
+}
+
+/* The child of fork_supervisor, with a healthy cluster on record in cluster.json: a daemon
+ * (own session, output to DIR/supervisor.log, pid in DIR/supervisor.pid) that runs `pdctl
+ * cluster supervise --run-dir DIR --ready-fd N` in this very process; the supervisor tells the
+ * waiting parent through N once it supervises. */
+static int become_supervisor(cluster *c, int status_fd) {
+  char logp[PATH_MAX + 64], pidp[PATH_MAX + 64];
+  cl_path_of(logp, sizeof logp, c->run_dir, "supervisor", ".log");
+  cl_path_of(pidp, sizeof pidp, c->run_dir, "supervisor", ".pid");
+  int logfd = open(logp, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+  int nullfd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  char num[32];
+  snprintf(num, sizeof num, "%d\n", (int)getpid());
+  if (logfd < 0 || nullfd < 0 || cl_write_file_atomic(pidp, num) != 0) {
+    fprintf(stderr, "pdctl: cannot start the supervisor: %s: %s\n", logfd < 0 ? logp : pidp,
+            strerror(errno));
+    if (logfd >= 0) close(logfd);
+    if (nullfd >= 0) close(nullfd);
+    return fail_up(c, false);
+  }
+  fflush(NULL);
+  setsid();
+  dup2(nullfd, 0);
+  dup2(logfd, 1);
+  dup2(logfd, 2);
+  close(nullfd);
+  close(logfd);
+  fcntl(status_fd, F_SETFD, 0); /* kept across exec (the processes it starts close it) */
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
+  char self[PATH_MAX], fd[16];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  self[n > 0 ? n : 0] = 0;
+  snprintf(fd, sizeof fd, "%d", status_fd);
+  char *args[] = {self, "cluster", "supervise", "--run-dir", c->run_dir, "--ready-fd", fd, NULL};
+  cl_cluster_free(c);
+  if (n > 0) execv(self, args);
+  fprintf(stderr, "pdctl: cannot execute %s (%s): supervising from this process\n", self,
+          strerror(errno));
+  return cl_cmd_supervise(7, args);
+}
+
+/* Sets every value of a router flag in r's argv (`--flag V` and `--flag=V`) to v. */
+static void pin_router_port(proc *r, const char *flag, int v) {
+  size_t fl = strlen(flag);
+  for (int i = 1; i < r->argc; i++) {
+    char *a = r->argv[i];
+    bool sep = !strcmp(a, flag) && i + 1 < r->argc;
+    if (!sep && !(strncmp(a, flag, fl) == 0 && a[fl] == '=')) continue;
+    char buf[64];
+    if (sep) snprintf(buf, sizeof buf, "%d", v);
+    else snprintf(buf, sizeof buf, "%s=%d", flag, v);
+    free(r->argv[sep ? i + 1 : i]);
+    r->argv[sep ? i + 1 : i] = cl_xstrdup(buf);
+  }
 }
 
 /* Splits s at whitespace into p's argv. */
 static void add_split_args(proc *p, const char *s) {
-  char *copy = xstrdup(s), *save = NULL;
+  char *copy = cl_xstrdup(s), *save = NULL;
   for (char *t = strtok_r(copy, " \t\n", &save); t; t = strtok_r(NULL, " \t\n", &save))
-    proc_arg(p, t);
+    cl_proc_arg(p, t);
   free(copy);
 }
 
@@ -696,8 +312,8 @@ static int cluster_up(int argc, char **argv) {
              *router_args = NULL, *prefill_args = NULL, *decode_args = NULL, *api_key = NULL,
              *name = NULL, *device = NULL, *prefill_device = NULL, *decode_device = NULL,
              *kv_dtype = NULL;
-  int n_prefill = 1, n_decode = 1, port = 8000;
-  double gpu_util = 0;
+  int n_prefill = 1, n_decode = 1, port = 8000, restart_limit = 5;
+  double gpu_util = 0, restart_window = 60;
   double timeout_s = 180;
   bool help = false, keep = false, quiet = false;
   pd_opt opts[] = {
@@ -732,6 +348,11 @@ static int cluster_up(int argc, char **argv) {
       {"bin-dir", PD_OPT_STR, &bin_dir, "DIR",
        "where pd-router, pd-prefill, pd-decode are (default: found from pdctl's location)", NULL},
       {"timeout", PD_OPT_DOUBLE, &timeout_s, "S", "readiness wait (default 180)", NULL},
+      {"restart-limit", PD_OPT_INT, &restart_limit, "N",
+       "the supervisor restarts a process that exits, and gives up on one that exits more than "
+       "N times within --restart-window (default 5; 0 = at its first exit)", NULL},
+      {"restart-window", PD_OPT_DOUBLE, &restart_window, "S",
+       "seconds in which --restart-limit counts exits (default 60)", NULL},
       {"keep-on-failure", PD_OPT_BOOL, &keep, NULL, "leave processes running if startup fails",
        NULL},
       {"quiet", PD_OPT_BOOL, &quiet, NULL, "print only errors", NULL},
@@ -755,6 +376,9 @@ static int cluster_up(int argc, char **argv) {
     return pdctl_fail("--prefill and --decode must be in 1..32");
   if (port < 0 || port > 65535) return pdctl_fail("--port must be in 0..65535");
   if (!(timeout_s > 0)) return pdctl_fail("--timeout must be positive");
+  if (restart_limit < 0 || restart_limit > MAX_RESTART_LIMIT)
+    return pdctl_fail("--restart-limit must be in 0..%d", MAX_RESTART_LIMIT);
+  if (!(restart_window > 0)) return pdctl_fail("--restart-window must be positive");
   if (!prefill_device) prefill_device = device ? device : "cpu";
   if (!decode_device) decode_device = device ? device : "cpu";
   if (!device_list_ok(prefill_device) || !device_list_ok(decode_device))
@@ -782,17 +406,32 @@ static int cluster_up(int argc, char **argv) {
   snprintf(c.host, sizeof c.host, "%s", host);
   c.n_prefill = n_prefill;
   c.n_decode = n_decode;
+  c.restart_limit = restart_limit;
+  c.restart_window = restart_window;
+  c.started_at = (double)time(NULL);
 
   /* a cluster already running here? */
   {
-    cluster old;
-    if (load_cluster(c.run_dir, &old, true) == 0) {
-      for (int i = 0; i < old.n; i++)
-        if (proc_alive(&old.procs[i]))
-          return pdctl_fail("a cluster is already running in %s (%s, pid %d); run `pdctl "
-                            "cluster down --run-dir %s` first",
-                            c.run_dir, old.procs[i].name, (int)old.procs[i].pid, c.run_dir);
-      remove_run_files(&old, true);
+    static cluster old;
+    if (cl_load_cluster(c.run_dir, &old, true) == 0) {
+      const char *what = NULL;
+      pid_t pid = 0;
+      if (cl_pid_alive(old.sup_pid, old.sup_start_time)) {
+        what = "its supervisor";
+        pid = old.sup_pid;
+      }
+      for (int i = 0; i < old.n && !what; i++)
+        if (cl_proc_alive(&old.procs[i])) {
+          what = old.procs[i].name;
+          pid = old.procs[i].pid;
+        }
+      if (!what) cl_remove_run_files(&old, true);
+      cl_cluster_free(&old);
+      if (what)
+        return pdctl_fail("a cluster is already running in %s (%s, pid %d); run `pdctl "
+                          "cluster down --run-dir %s` first, or `pdctl cluster restart` for one "
+                          "process",
+                          c.run_dir, what, (int)pid, c.run_dir);
     }
   }
   if (port > 0 && strcmp(host, "127.0.0.1") == 0 && !port_free(port))
@@ -812,36 +451,43 @@ static int cluster_up(int argc, char **argv) {
   proc *r = &c.procs[c.n++];
   snprintf(r->name, sizeof r->name, "router");
   snprintf(r->role, sizeof r->role, "router");
-  proc_arg(r, router_bin);
-  proc_arg(r, "--model");
-  proc_arg(r, model_abs);
+  cl_proc_arg(r, router_bin);
+  cl_proc_arg(r, "--model");
+  cl_proc_arg(r, model_abs);
   if (name) {
-    proc_arg(r, "--served-model-name");
-    proc_arg(r, name);
+    cl_proc_arg(r, "--served-model-name");
+    cl_proc_arg(r, name);
   }
-  proc_arg(r, "--host");
-  proc_arg(r, host);
-  proc_arg(r, "--port");
-  proc_argf(r, "%d", port);
-  proc_arg(r, "--cluster-port");
-  proc_arg(r, "0");
-  proc_arg(r, "--client-port");
-  proc_arg(r, "0");
+  cl_proc_arg(r, "--host");
+  cl_proc_arg(r, host);
+  cl_proc_arg(r, "--port");
+  cl_proc_argf(r, "%d", port);
+  cl_proc_arg(r, "--cluster-port");
+  cl_proc_arg(r, "0");
+  cl_proc_arg(r, "--client-port");
+  cl_proc_arg(r, "0");
   if (api_key) {
-    proc_arg(r, "--api-key");
-    proc_arg(r, api_key);
+    cl_proc_arg(r, "--api-key");
+    cl_proc_arg(r, api_key);
   }
-  proc_arg(r, "--ready-file");
-  proc_argf(r, "%s/router.ready", c.run_dir);
+  cl_proc_arg(r, "--ready-file");
+  cl_proc_argf(r, "%s/router.ready", c.run_dir);
   if (router_args) add_split_args(r, router_args);
   double t0 = pdctl_now(), deadline = t0 + timeout_s;
-  if (!quiet) fprintf(stderr, "pdctl: starting pd-router (logs in %s)\n", c.run_dir);
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_up_signal;
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
-  if (spawn(&c, r) != 0) return fail_up(&c, false);
+  /* From here on the child does the work: it starts every process (so they are its children)
+   * and, once the cluster is healthy, becomes its supervisor; this process waits for it. */
+  int status_fd = fork_supervisor(c.run_dir);
+  if (status_fd < 0) {
+    cl_cluster_free(&c);
+    return -status_fd;
+  }
+  if (!quiet) fprintf(stderr, "pdctl: starting pd-router (logs in %s)\n", c.run_dir);
+  if (cl_spawn(&c, r, false) != 0) return fail_up(&c, false);
   for (;;) {
     if (check_interrupted()) return fail_up(&c, false);
     proc *dead = first_dead(&c);
@@ -849,7 +495,7 @@ static int cluster_up(int argc, char **argv) {
       report_dead(&c, dead);
       return fail_up(&c, keep);
     }
-    cJSON *rd = read_ready(&c, r);
+    cJSON *rd = cl_read_ready(&c, r);
     if (rd) {
       cJSON *hp = cJSON_GetObjectItemCaseSensitive(rd, "http_port");
       cJSON *ce = cJSON_GetObjectItemCaseSensitive(rd, "cluster_endpoint");
@@ -866,11 +512,11 @@ static int cluster_up(int argc, char **argv) {
     if (pdctl_now() > deadline) {
       fprintf(stderr, "pdctl: pd-router did not write its ready file within %.0f s\n", timeout_s);
       char logp[PATH_MAX + 64];
-      path_of(logp, sizeof logp, c.run_dir, "router", ".log");
-      print_log_tail(logp, 20);
+      cl_path_of(logp, sizeof logp, c.run_dir, "router", ".log");
+      cl_print_log_tail(logp, 20);
       return fail_up(&c, keep);
     }
-    sleep_ms(50);
+    cl_sleep_ms(50);
   }
 
   /* the nodes */
@@ -907,41 +553,41 @@ static int cluster_up(int argc, char **argv) {
     proc *p = &c.procs[c.n++];
     snprintf(p->name, sizeof p->name, "%s-%d", pre ? "prefill" : "decode", idx);
     snprintf(p->role, sizeof p->role, "%s", pre ? "prefill" : "decode");
-    proc_arg(p, pre ? prefill_bin : decode_bin);
-    proc_arg(p, "--model");
-    proc_arg(p, model_abs);
+    cl_proc_arg(p, pre ? prefill_bin : decode_bin);
+    cl_proc_arg(p, "--model");
+    cl_proc_arg(p, model_abs);
     if (draft) {
-      proc_arg(p, "--draft-model");
-      proc_arg(p, draft_abs);
+      cl_proc_arg(p, "--draft-model");
+      cl_proc_arg(p, draft_abs);
     }
     if (name) {
-      proc_arg(p, "--served-model-name");
-      proc_arg(p, name);
+      cl_proc_arg(p, "--served-model-name");
+      cl_proc_arg(p, name);
     }
-    proc_arg(p, "--router");
-    proc_arg(p, c.cluster_ep);
-    proc_arg(p, "--node-id");
-    proc_arg(p, p->name);
-    proc_arg(p, "--metrics-port");
-    proc_arg(p, "0");
+    cl_proc_arg(p, "--router");
+    cl_proc_arg(p, c.cluster_ep);
+    cl_proc_arg(p, "--node-id");
+    cl_proc_arg(p, p->name);
+    cl_proc_arg(p, "--metrics-port");
+    cl_proc_arg(p, "0");
     if (!pre) {
-      proc_arg(p, "--kv-port");
-      proc_arg(p, "0");
+      cl_proc_arg(p, "--kv-port");
+      cl_proc_arg(p, "0");
     }
-    proc_arg(p, "--ready-file");
-    proc_argf(p, "%s/%s.ready", c.run_dir, p->name);
-    proc_arg(p, "--device");
-    proc_arg(p, dev);
-    if (gpu && gpu_util > 0) proc_argf(p, "--gpu-memory-utilization=%g", gpu_util);
-    if (kv_dtype) proc_argf(p, "--kv-cache-dtype=%s", kv_dtype);
+    cl_proc_arg(p, "--ready-file");
+    cl_proc_argf(p, "%s/%s.ready", c.run_dir, p->name);
+    cl_proc_arg(p, "--device");
+    cl_proc_arg(p, dev);
+    if (gpu && gpu_util > 0) cl_proc_argf(p, "--gpu-memory-utilization=%g", gpu_util);
+    if (kv_dtype) cl_proc_argf(p, "--kv-cache-dtype=%s", kv_dtype);
     if (pre && prefill_args) add_split_args(p, prefill_args);
     if (!pre && decode_args) add_split_args(p, decode_args);
-    for (int i = dd + 1; i < argc; i++) proc_arg(p, argv[i]);
+    for (int i = dd + 1; i < argc; i++) cl_proc_arg(p, argv[i]);
     /* The nodes share this machine's cores: unless told otherwise, split them so that the
      * CPU backends' spinning thread pools never oversubscribe it (2 nodes x all cores on
      * 2 cores runs several times slower than 1 thread each). */
-    if (!threads_given && !gpu) proc_argf(p, "--threads=%d", node_threads);
-    if (spawn(&c, p) != 0) return fail_up(&c, false);
+    if (!threads_given && !gpu) cl_proc_argf(p, "--threads=%d", node_threads);
+    if (cl_spawn(&c, p, false) != 0) return fail_up(&c, false);
   }
   if (!quiet)
     fprintf(stderr, "pdctl: started %d prefill and %d decode nodes; waiting for them to register\n",
@@ -963,7 +609,7 @@ static int cluster_up(int argc, char **argv) {
         ready++;
         continue;
       }
-      cJSON *rd = read_ready(&c, p);
+      cJSON *rd = cl_read_ready(&c, p);
       if (!rd) continue;
       cJSON *mp = cJSON_GetObjectItemCaseSensitive(rd, "metrics_port");
       cJSON *kv = cJSON_GetObjectItemCaseSensitive(rd, "kv_endpoint");
@@ -974,7 +620,7 @@ static int cluster_up(int argc, char **argv) {
     }
     if (ready == c.n - 1) {
       int np = 0, nd = 0;
-      int st = router_health(&c, 2000, &np, &nd, last, sizeof last);
+      int st = cl_router_health(&c, 2000, &np, &nd, last, sizeof last);
       if (st == 200 && np >= n_prefill && nd >= n_decode) break;
     } else {
       snprintf(last, sizeof last, "%d of %d nodes registered", ready, c.n - 1);
@@ -982,21 +628,29 @@ static int cluster_up(int argc, char **argv) {
     if (pdctl_now() > deadline) {
       fprintf(stderr, "pdctl: the cluster was not ready within %.0f s (%s)\n", timeout_s, last);
       for (int i = 1; i < c.n; i++) {
-        cJSON *rd = read_ready(&c, &c.procs[i]);
+        cJSON *rd = cl_read_ready(&c, &c.procs[i]);
         if (rd) {
           cJSON_Delete(rd);
           continue;
         }
         char logp[PATH_MAX + 64];
-        path_of(logp, sizeof logp, c.run_dir, c.procs[i].name, ".log");
+        cl_path_of(logp, sizeof logp, c.run_dir, c.procs[i].name, ".log");
         fprintf(stderr, "pdctl: %s has not registered\n", c.procs[i].name);
-        print_log_tail(logp, 10);
+        cl_print_log_tail(logp, 10);
       }
       return fail_up(&c, keep);
     }
-    sleep_ms(100);
+    cl_sleep_ms(100);
   }
-  if (save_json(&c) != 0) {
+  /* a restarted router binds the ports this one did: the nodes find it again */
+  pin_router_port(r, "--port", c.http_port);
+  pin_router_port(r, "--cluster-port", cl_endpoint_port(c.cluster_ep));
+  pin_router_port(r, "--client-port", c.client_ep[0] ? cl_endpoint_port(c.client_ep) : -1);
+  double now = (double)time(NULL);
+  for (int i = 0; i < c.n; i++) c.procs[i].started_time = now;
+  c.sup_pid = getpid();
+  c.sup_start_time = cl_proc_start_time(c.sup_pid, NULL);
+  if (cl_save_json(&c) != 0) {
     fprintf(stderr, "pdctl: cannot write %s/cluster.json: %s\n", c.run_dir, strerror(errno));
     return fail_up(&c, false);
   }
@@ -1007,155 +661,28 @@ static int cluster_up(int argc, char **argv) {
     for (int i = 0; i < c.n; i++)
       printf("  %-11s pid %-7d log %s/%s.log\n", c.procs[i].name, (int)c.procs[i].pid,
              c.run_dir, c.procs[i].name);
+    printf("  %-11s pid %-7d log %s/supervisor.log (restarts a process that exits, up to %d "
+           "times within %g s)\n",
+           "supervisor", (int)c.sup_pid, c.run_dir, restart_limit, restart_window);
     printf("stop it with: pdctl cluster down --run-dir %s\n", c.run_dir);
   }
-  cluster_free(&c);
-  return 0;
-}
-
-/* ---- status ---- */
-
-static int cluster_status(int argc, char **argv) {
-  const char *run_dir = NULL;
-  bool json = false, help = false;
-  pd_opt opts[] = {
-      {"run-dir", PD_OPT_STR, &run_dir, "DIR", "the cluster's run directory", NULL},
-      {"json", PD_OPT_BOOL, &json, NULL, "print JSON", NULL},
-      {"help", PD_OPT_BOOL, &help, NULL, "show this help", NULL},
-      {0}};
-  pd_err e = {0};
-  if (pd_opts_parse(opts, argc, argv, 3, &e) != PD_OK) return pdctl_fail("%s", e.msg);
-  if (help) {
-    fputs("usage: pdctl cluster status --run-dir DIR [--json]\n"
-          "Exit status 0: every process runs and the router is healthy; 1 otherwise; 3: no "
-          "cluster there.\n",
-          stdout);
-    pd_opts_usage(stdout, opts);
-    return 0;
-  }
-  if (!run_dir) return pdctl_fail("cluster status needs --run-dir DIR");
-  static cluster c;
-  if (load_cluster(run_dir, &c, false) != 0) return 3;
-  int n_alive = 0;
-  bool alive[MAX_PROCS];
-  for (int i = 0; i < c.n; i++) n_alive += alive[i] = proc_alive(&c.procs[i]);
-  int np = -1, nd = -1, hst = -1;
-  char herr[256] = "";
-  char *nodes = NULL;
-  if (c.http_port > 0) {
-    hst = router_health(&c, 3000, &np, &nd, herr, sizeof herr);
-    if (hst > 0) {
-      char url[128];
-      snprintf(url, sizeof url, "http://%s:%d",
-               strcmp(c.host, "0.0.0.0") ? c.host : "127.0.0.1", c.http_port);
-      int ns = pdctl_http(url, "GET", "/cluster/nodes", NULL, NULL, 3000, &nodes, NULL, &e);
-      if (ns != 200) {
-        free(nodes);
-        nodes = NULL;
-      }
-    }
-  }
-  bool healthy = n_alive == c.n && hst == 200;
-  if (json) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "run_dir", c.run_dir);
-    cJSON_AddBoolToObject(o, "healthy", healthy);
-    cJSON_AddNumberToObject(o, "http_port", c.http_port);
-    cJSON_AddStringToObject(o, "client_endpoint", c.client_ep);
-    cJSON *h = cJSON_AddObjectToObject(o, "router_health");
-    cJSON_AddNumberToObject(h, "status", hst);
-    cJSON_AddNumberToObject(h, "prefill_nodes", np);
-    cJSON_AddNumberToObject(h, "decode_nodes", nd);
-    cJSON *arr = cJSON_AddArrayToObject(o, "processes");
-    for (int i = 0; i < c.n; i++) {
-      cJSON *j = cJSON_CreateObject();
-      cJSON_AddStringToObject(j, "name", c.procs[i].name);
-      cJSON_AddStringToObject(j, "role", c.procs[i].role);
-      cJSON_AddNumberToObject(j, "pid", c.procs[i].pid);
-      cJSON_AddBoolToObject(j, "alive", alive[i]);
-      cJSON_AddItemToArray(arr, j);
-    }
-    cJSON *nj = nodes ? cJSON_Parse(nodes) : NULL;
-    if (nj) cJSON_AddItemToObject(o, "nodes", nj);
-    char *s = cJSON_Print(o);
-    if (s) puts(s);
-    free(s);
-    cJSON_Delete(o);
-  } else {
-    printf("cluster in %s: %s\n", c.run_dir, healthy ? "healthy" : "NOT healthy");
-    for (int i = 0; i < c.n; i++)
-      printf("  %-11s pid %-7d %s\n", c.procs[i].name, (int)c.procs[i].pid,
-             alive[i] ? "running" : "not running");
-    if (c.http_port <= 0) printf("  router health: unknown port\n");
-    else if (hst < 0) printf("  router http://127.0.0.1:%d/health: no answer (%s)\n", c.http_port, herr);
-    else
-      printf("  router http://127.0.0.1:%d/health: %d, %d prefill and %d decode nodes alive\n",
-             c.http_port, hst, np, nd);
-    cJSON *nj = nodes ? cJSON_Parse(nodes) : NULL;
-    cJSON *list = nj && cJSON_IsArray(nj) ? nj : nj ? cJSON_GetObjectItemCaseSensitive(nj, "nodes") : NULL;
-    if (!list && nj) list = cJSON_GetObjectItemCaseSensitive(nj, "data");
-    cJSON *n;
-    cJSON_ArrayForEach(n, list) {
-      cJSON *id = cJSON_GetObjectItemCaseSensitive(n, "node_id");
-      if (!id) id = cJSON_GetObjectItemCaseSensitive(n, "id");
-      cJSON *role = cJSON_GetObjectItemCaseSensitive(n, "role");
-      cJSON *state = cJSON_GetObjectItemCaseSensitive(n, "state");
-      printf("  node %-20s %-8s %s\n", cJSON_IsString(id) ? id->valuestring : "?",
-             cJSON_IsString(role) ? role->valuestring : "",
-             cJSON_IsString(state) ? state->valuestring : "");
-    }
-    cJSON_Delete(nj);
-  }
-  free(nodes);
-  return healthy ? 0 : 1;
-}
-
-/* ---- down ---- */
-
-static int cluster_down(int argc, char **argv) {
-  const char *run_dir = NULL;
-  double timeout_s = 10;
-  bool help = false, quiet = false;
-  pd_opt opts[] = {
-      {"run-dir", PD_OPT_STR, &run_dir, "DIR", "the cluster's run directory", NULL},
-      {"timeout", PD_OPT_DOUBLE, &timeout_s, "S",
-       "seconds to wait after SIGTERM before SIGKILL (default 10)", NULL},
-      {"quiet", PD_OPT_BOOL, &quiet, NULL, "print only errors", NULL},
-      {"help", PD_OPT_BOOL, &help, NULL, "show this help", NULL},
-      {0}};
-  pd_err e = {0};
-  if (pd_opts_parse(opts, argc, argv, 3, &e) != PD_OK) return pdctl_fail("%s", e.msg);
-  if (help) {
-    fputs("usage: pdctl cluster down --run-dir DIR [--timeout S]\n", stdout);
-    pd_opts_usage(stdout, opts);
-    return 0;
-  }
-  if (!run_dir) return pdctl_fail("cluster down needs --run-dir DIR");
-  if (timeout_s < 0) return pdctl_fail("--timeout must not be negative");
-  static cluster c;
-  if (load_cluster(run_dir, &c, quiet) != 0) return quiet ? 0 : 3;
-  int running = 0;
-  for (int i = 0; i < c.n; i++) running += proc_alive(&c.procs[i]);
-  int killed = stop_procs(&c, timeout_s, !quiet);
-  int left = 0;
-  for (int i = 0; i < c.n; i++) left += proc_alive(&c.procs[i]);
-  remove_run_files(&c, left == 0);
-  if (left) return pdctl_fail("%d processes are still running after SIGKILL", left);
-  if (!quiet)
-    printf("cluster in %s stopped: %d processes%s\n", c.run_dir, running,
-           killed ? " (some needed SIGKILL)" : "");
-  return 0;
+  return become_supervisor(&c, status_fd);
 }
 
 int cmd_cluster(int argc, char **argv) {
   const char *sub = argc > 2 ? argv[2] : NULL;
   if (sub && !strcmp(sub, "up")) return cluster_up(argc, argv);
-  if (sub && !strcmp(sub, "status")) return cluster_status(argc, argv);
-  if (sub && !strcmp(sub, "down")) return cluster_down(argc, argv);
-  fputs("usage: pdctl cluster up|status|down [options]   ('pdctl cluster up --help')\n"
-        "  up      start pd-router, P pd-prefill and D pd-decode on 127.0.0.1 as daemons\n"
-        "  status  is every process running, is the router healthy\n"
-        "  down    stop them (SIGTERM, then SIGKILL after --timeout)\n",
+  if (sub && !strcmp(sub, "status")) return cl_cmd_status(argc, argv);
+  if (sub && !strcmp(sub, "restart")) return cl_cmd_restart(argc, argv);
+  if (sub && !strcmp(sub, "down")) return cl_cmd_down(argc, argv);
+  if (sub && !strcmp(sub, "supervise")) return cl_cmd_supervise(argc, argv);
+  fputs("usage: pdctl cluster up|status|restart|down [options]   ('pdctl cluster up --help')\n"
+        "  up       start pd-router, P pd-prefill and D pd-decode on 127.0.0.1 as daemons,\n"
+        "           and a supervisor that restarts any of them that exits\n"
+        "  status   every process (state, restarts, last exit), the supervisor, the router\n"
+        "  restart  restart one process by name (router, prefill-0, decode-1, ...)\n"
+        "  down     stop the supervisor, then every process (SIGTERM, SIGKILL after --timeout)\n",
         stderr);
   return sub && (!strcmp(sub, "--help") || !strcmp(sub, "-h")) ? 0 : 2;
 }
+

@@ -6,35 +6,6 @@
 
 #include "pdctl.h"
 
-static char *read_all(const char *path, size_t *len) {
-  FILE *f = strcmp(path, "-") ? fopen(path, "rb") : stdin;
-  if (!f) return NULL;
-  size_t cap = 1 << 16, n = 0;
-  char *buf = malloc(cap);
-  while (buf) {
-    size_t got = fread(buf + n, 1, cap - n - 1, f);
-    n += got;
-    if (got == 0) break;
-    if (n + 1 == cap) {
-      char *t = realloc(buf, cap *= 2);
-      if (!t) {
-        free(buf);
-        buf = NULL;
-      }
-      buf = t;
-    }
-  }
-  int err = ferror(f);
-  if (f != stdin) fclose(f);
-  if (!buf || err) {
-    free(buf);
-    return NULL;
-  }
-  buf[n] = 0;
-  *len = n;
-  return buf;
-}
-
 int cmd_tokenize(int argc, char **argv) {
   const char *model = NULL, *text = NULL, *text_file = NULL, *decode = NULL;
   bool json = false, help = false, add_special = false;
@@ -88,7 +59,7 @@ int cmd_tokenize(int argc, char **argv) {
     size_t len = 0;
     char *buf = NULL;
     if (text_file) {
-      buf = read_all(text_file, &len);
+      buf = pdctl_read_file(text_file, &len);
       if (!buf) {
         pd_tokenizer_free(tok);
         return pdctl_fail("cannot read %s", text_file);

@@ -17,6 +17,32 @@ int pdctl_fail(const char *fmt, ...) {
   return 1;
 }
 
+char *pdctl_read_file(const char *path, size_t *len) {
+  FILE *f = strcmp(path, "-") ? fopen(path, "rb") : stdin;
+  if (!f) return NULL;
+  size_t cap = 1 << 12, n = 0;
+  char *buf = malloc(cap);
+  while (buf) {
+    size_t got = fread(buf + n, 1, cap - n - 1, f);
+    n += got;
+    if (got == 0) break;
+    if (n + 1 == cap) {
+      char *t = realloc(buf, cap *= 2);
+      if (!t) free(buf);
+      buf = t;
+    }
+  }
+  int err = ferror(f);
+  if (f != stdin) fclose(f);
+  if (!buf || err) {
+    free(buf);
+    return NULL;
+  }
+  buf[n] = 0;
+  if (len) *len = n;
+  return buf;
+}
+
 double pdctl_now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

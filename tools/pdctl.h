@@ -39,6 +39,9 @@ int pdctl_http(const char *url, const char *method, const char *path, const char
 int pdctl_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Parses "1,2,3" into a malloc'ed array; NULL with a message on error. */
 int32_t *pdctl_parse_ids(const char *s, size_t *n, pd_err *e);
+/* The whole file ("-": stdin), NUL-terminated and malloc'ed, its length in *len (may be NULL);
+ * NULL when it cannot be read. */
+char *pdctl_read_file(const char *path, size_t *len);
 double pdctl_now(void);
 
 /* A model, backend and engine serving a few sequences whose blocks are laid out side by side

@@ -31,7 +31,12 @@ if(TARGET pdctl AND TARGET pdclient AND TARGET pd-router AND TARGET pd-prefill A
     pd_add_py_test(test_pdctl_${t} test_pdctl_${t}.py 240
                    --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR} --slow ${_pd_ops_slow})
   endforeach()
+  # The supervisor: processes killed and restarted, the router back on its ports, a node given
+  # up on, `cluster restart`, and `down` leaving nothing behind.
+  pd_add_py_test(test_pdctl_supervise test_pdctl_supervise.py 300
+                 --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR} --slow ${_pd_ops_slow})
+  set_tests_properties(test_pdctl_supervise PROPERTIES RUN_SERIAL TRUE)
   # Each starts its own cluster: several at once would only fight over the two cores.
-  set_tests_properties(test_pdctl_cluster test_pdctl_client test_pdctl_bench
+  set_tests_properties(test_pdctl_cluster test_pdctl_client test_pdctl_bench test_pdctl_supervise
                        PROPERTIES RESOURCE_LOCK pdctl_cluster)
 endif()

@@ -82,13 +82,16 @@ def check_compose(repo, flags):
             if a.startswith("--") and role in ROLES and flags.get(role) is not None:
                 check(a.split("=")[0] in flags[role], "%s: %s is not a flag of %s" %
                       (where, a, ROLES[role]))
+        check(s.get("restart") in ("always", "unless-stopped"),
+              "%s: restart policy %r: a process that exits must be started again (always or "
+              "unless-stopped)" % (where, s.get("restart")))
         hc = s.get("healthcheck")
         if check(hc and hc.get("test"), "%s: no healthcheck" % where):
             test = " ".join(hc["test"])
             m = re.search(r"http://[^ ]+", test)
             if check(m, "%s: healthcheck is not an HTTP probe" % where):
                 url = m.group(0)
-                check(url.endswith(("/health", "/metrics")), "%s: probes %s" % (where, url))
+                check(url.endswith("/health"), "%s: probes %s, not /health" % (where, url))
                 want = http_port if role == "router" else int(env.get("PD_METRICS_PORT", "-1"))
                 check(port_of(url) == want, "%s: healthcheck port %s, the process listens on %s"
                       % (where, port_of(url), want))
@@ -155,6 +158,9 @@ def check_k8s(repo, flags):
         sel = spec["selector"]["matchLabels"]
         check(all(labels.get(k) == v for k, v in sel.items()),
               "%s: selector %s does not match the pod labels %s" % (rel, sel, labels))
+        check(tmpl["spec"].get("restartPolicy") == "Always",
+              "%s: restartPolicy %r: a process that exits must be started again (Always)" %
+              (rel, tmpl["spec"].get("restartPolicy")))
         for c in tmpl["spec"]["containers"]:
             where = "%s container %s" % (rel, c["name"])
             args = c.get("args") or []
@@ -173,10 +179,24 @@ def check_k8s(repo, flags):
             for ef in c.get("envFrom", []):
                 ref = ef.get("configMapRef", {}).get("name")
                 check(ref in cms, "%s: envFrom ConfigMap %s does not exist" % (where, ref))
-            for probe in ("readinessProbe", "livenessProbe"):
+            # readiness: /health (router: nodes registered; node: registered and acknowledged).
+            # liveness: /metrics, which the process serves whatever the others do: /health
+            # depends on other processes, and restarting this one would not mend them.
+            # startup (nodes): the model load, which can take minutes, is not a hang.
+            want_path = {"readinessProbe": "/health", "livenessProbe": "/metrics",
+                         "startupProbe": "/metrics"}
+            probes = ["readinessProbe", "livenessProbe"]
+            if role in ("prefill", "decode"):
+                probes.append("startupProbe")
+                sp = c.get("startupProbe") or {}
+                check(sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3) >= 300,
+                      "%s: startupProbe allows under 300 s to load a model" % where)
+            for probe in probes:
                 p = c.get(probe)
                 if not check(p and "httpGet" in p, "%s: no HTTP %s" % (where, probe)):
                     continue
+                check(p["httpGet"]["path"] == want_path[probe], "%s: %s on %s, not %s" %
+                      (where, probe, p["httpGet"]["path"], want_path[probe]))
                 g = p["httpGet"]
                 check(g["path"] in ("/health", "/metrics"), "%s: %s path %s" %
                       (where, probe, g["path"]))

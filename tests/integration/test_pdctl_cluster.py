@@ -6,15 +6,7 @@ import json
 import os
 import time
 
-from test_pdctl_common import Cluster, http, main, procs_in, run
-
-
-def alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+from test_pdctl_common import Cluster, alive, http, main, procs_in, run
 
 
 def scenario(args):

@@ -70,6 +70,17 @@ def http(url, body=None, timeout=30, headers=None):
         return -1, b""
 
 
+def alive(pid):
+    """Whether pid runs (a zombie does not)."""
+    if pid <= 0:
+        return False
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def procs_in(run_dir):
     """Pids of live processes whose command line mentions run_dir (our cluster's processes:
     each gets its ready-file path inside run_dir)."""
