@@ -10,6 +10,7 @@ static void collect(pd_metrics *m, void *ud) {
   pd_metric_set(r->m.queue_len, route_queue_length(r));
   pd_metric_set(r->m.running, route_active_subs(r) - route_queue_length(r));
   pd_metric_set(r->m.live, r->n_live);
+  pd_metric_set(r->m.preparing, api_prep_in_flight(r));
   pd_metric_set(r->m.nodes_prefill, registry_count(r, PD__ROLE__ROLE_PREFILL, true));
   pd_metric_set(r->m.nodes_decode, registry_count(r, PD__ROLE__ROLE_DECODE, true));
   if (r->http) {
@@ -41,6 +42,10 @@ void rmetrics_init(router *r) {
                                "Requests the router holds (admitted, answering, or ended and "
                                "not yet freed).",
                                NULL);
+  r->m.preparing = pd_metrics_gauge(m, "pd_router_requests_tokenizing",
+                                    "Requests whose prompts are being tokenized (or their chat "
+                                    "template rendered) in the worker pool, queued or running.",
+                                    NULL);
   r->m.gen_tokens = pd_metrics_counter(m, "pd_router_generation_tokens_total",
                                        "Output tokens received from nodes.", NULL);
   r->m.prompt_tokens = pd_metrics_counter(m, "pd_router_prompt_tokens_total",
