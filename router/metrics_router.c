@@ -17,6 +17,9 @@ static void collect(pd_metrics *m, void *ud) {
     pd_http_stats st;
     pd_http_server_stats(r->http, &st);
     pd_metric_set(r->m.http_conns, (double)st.connections_open);
+    /* counters kept by the server: bring ours up to them */
+    pd_metric_add(r->m.http_evicted, (double)st.evicted - pd_metric_value(r->m.http_evicted));
+    pd_metric_add(r->m.http_refused, (double)st.refused - pd_metric_value(r->m.http_refused));
   }
 }
 
@@ -65,6 +68,15 @@ void rmetrics_init(router *r) {
                                        "role=\"decode\"");
   r->m.http_conns = pd_metrics_gauge(m, "pd_router_http_connections", "Open HTTP connections.",
                                      NULL);
+  r->m.http_evicted = pd_metrics_counter(m, "pd_router_http_connections_evicted_total",
+                                         "Idle HTTP connections (or ones still sending their "
+                                         "head) closed to admit a new one: the table or the "
+                                         "client address was full.",
+                                         NULL);
+  r->m.http_refused = pd_metrics_counter(m, "pd_router_http_connections_refused_total",
+                                         "New HTTP connections refused (503): their address was "
+                                         "at --max-connections-per-ip with none idle.",
+                                         NULL);
   /* the usual series exist from the start, so rates work before the first event */
   static const char *apis[] = {"completions", "chat", "generate", "zmq"};
   for (int i = 0; i < 4; i++) {

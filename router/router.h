@@ -4,7 +4,6 @@
  *   registry.c     nodes: Register / Heartbeat / Deregister, liveness, load, node choice
  *   route.c        one choice's path through the cluster: queue, Reserve, Prefill, FirstToken,
  *                  TokenStream, failures (retry, migration), deadlines
- *   route_map.c    string -> pointer hash map (wire request ids)
  *   api.c          HTTP: OpenAI completions and chat, /generate, /v1/models, /health, /metrics
  *   api_prep.c     tokenization and chat templates of new requests, in the worker pool
  *   api_text.c     output text: incremental detokenization, stop strings, logprobs JSON
@@ -32,6 +31,7 @@
 #include "pd/oai.h"
 #include "pd/tokenizer.h"
 #include "pd/wire.h"
+#include "smap.h"
 #include "workpool.h"
 
 typedef struct router router;
@@ -51,24 +51,6 @@ typedef struct router_opts {
   int request_timeout_s, kv_ttl_ms, heartbeat_interval_ms, heartbeat_timeout_ms;
   bool verbose, help;
 } router_opts;
-
-/* ---- string map (route_map.c) ---- */
-
-typedef struct smap_entry {
-  char *key; /* NULL: empty; (char *)1: deleted */
-  void *val;
-} smap_entry;
-
-typedef struct smap {
-  smap_entry *v;
-  size_t cap, n, used; /* used counts deleted slots too */
-} smap;
-
-void smap_init(smap *m);
-void smap_free(smap *m);
-bool smap_put(smap *m, const char *key, void *val); /* false on allocation failure */
-void *smap_get(const smap *m, const char *key);
-void smap_del(smap *m, const char *key);
 
 /* ---- nodes (registry.c) ---- */
 
