@@ -260,7 +260,8 @@ int api_req_prepare(router *r, rreq *q, char *msg, size_t cap, const char **code
     s->stop_token = -1;
     s->state = SUB_DONE; /* route_submit queues it */
   }
-  q->deadline = q->t_start + (int64_t)r->o.request_timeout_s * 1000;
+  q->deadline = q->t_start + (q->timeout_ms ? (int64_t)q->timeout_ms
+                                            : (int64_t)r->o.request_timeout_s * 1000);
   return 0;
 }
 
@@ -927,23 +928,6 @@ static void http_refuse(router *r, rreq *q, int status, const char *msg, const c
   router_retire(r, q);
 }
 
-/* The prompts are made (api_prep.c): check the context, admit, route. */
-static void http_prepared(router *r, rreq *q, int st, const char *msg, const char *code) {
-  char err[1024];
-  snprintf(err, sizeof err, "%s", msg);
-  if (!st) st = api_req_prepare(r, q, err, sizeof err, &code);
-  if (!st) st = api_req_admit(r, q, err, sizeof err);
-  if (st) {
-    http_refuse(r, q, st, err, code);
-    return;
-  }
-  for (int i = 0; i < q->n_prompts; i++) pd_metric_add(r->m.prompt_tokens, q->prompts[i].n);
-  pd_log(PD_LOG_DEBUG, "%s: %s, %d prompt(s), %d choice(s), max_tokens %d%s", q->id,
-         api_name(q->kind), q->n_prompts, q->n_subs, q->op.p.max_tokens,
-         q->stream ? ", stream" : "");
-  route_submit(r, q);
-}
-
 /* Validates and parses the body here (about 3 ms per MB), then hands the prompts to the worker
  * pool: tokenizing and chat templates cost about 0.2 s per MB and would stall every client. */
 static void handle_generation(router *r, pd_http_req *req, const pd_http_request *msg,
@@ -977,7 +961,7 @@ static void handle_generation(router *r, pd_http_req *req, const pd_http_request
     api_cancel(r, q);
     return;
   }
-  api_prep *p = api_prep_new(r, q, http_prepared);
+  api_prep *p = api_prep_new(r, q, http_refuse);
   int default_max = kind == API_CHAT ? -1 : r->o.default_max_tokens;
   int st = p ? parse_common(r, q, body, default_max, err, sizeof err, &code) : 500;
   if (!st && kind == API_COMPLETIONS) {
@@ -1004,7 +988,7 @@ static void handle_generation(router *r, pd_http_req *req, const pd_http_request
   cJSON_Delete(body);
   if (!st) {
     st = api_prep_submit(p, err, sizeof err, &code);
-    if (!st) return; /* http_prepared continues (perhaps already did) */
+    if (!st) return; /* it goes on from the pool (perhaps already did) */
     p = NULL;
   }
   api_prep_free(p);

@@ -24,7 +24,7 @@ struct api_prep {
   pd_work w;
   router *r;
   rreq *q; /* the request; NULL once it was freed (loop thread only) */
-  api_prep_done_fn done;
+  api_refuse_fn refuse;
   /* input: read by the worker, owned by the job */
   cJSON *json;   /* the parsed HTTP body the strings point into */
   void **owned;  /* other blocks the strings live in */
@@ -43,12 +43,12 @@ struct api_prep {
   char err[1024];
 };
 
-api_prep *api_prep_new(router *r, rreq *q, api_prep_done_fn done) {
+api_prep *api_prep_new(router *r, rreq *q, api_refuse_fn refuse) {
   api_prep *p = calloc(1, sizeof *p);
   if (!p) return NULL;
   p->r = r;
   p->q = q;
-  p->done = done;
+  p->refuse = refuse;
   return p;
 }
 
@@ -230,8 +230,10 @@ static void prep_run(pd_work *w) {
 
 /* ---- back on the loop ---- */
 
-/* Hands the result to the request, if it still wants it, and frees the job. */
+/* Hands the result to the request, if it still wants it, and frees the job: the request goes
+ * on (context check, admission, route) or is refused. */
 static void prep_finish(api_prep *p) {
+  router *r = p->r;
   rreq *q = p->q;
   if (q) q->prep = NULL;
   if (!p->w.ran && !p->status) {
@@ -239,14 +241,25 @@ static void prep_finish(api_prep *p) {
     snprintf(p->err, sizeof p->err, "the server is shutting down");
   }
   if (q && !q->finished) {
-    if (!p->status) {
+    int st = p->status;
+    const char *code = p->code;
+    if (!st) {
       PD_ASSERT(!q->prompts);
       q->prompts = p->prompts;
       q->n_prompts = p->n_prompts;
       p->prompts = NULL;
       p->n_prompts = 0;
+      st = api_req_prepare(r, q, p->err, sizeof p->err, &code);
     }
-    p->done(p->r, q, p->status, p->err, p->code);
+    if (!st) st = api_req_admit(r, q, p->err, sizeof p->err);
+    if (st) {
+      p->refuse(r, q, st, p->err, code);
+    } else {
+      for (int i = 0; i < q->n_prompts; i++) pd_metric_add(r->m.prompt_tokens, q->prompts[i].n);
+      pd_log(PD_LOG_DEBUG, "%s: %d prompt(s), %d choice(s), max_tokens %d%s", q->id, q->n_prompts,
+             q->n_subs, q->op.p.max_tokens, q->stream ? ", stream" : "");
+      route_submit(r, q);
+    }
   }
   api_prep_free(p);
 }

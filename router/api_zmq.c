@@ -100,21 +100,6 @@ static void refuse_req(router *r, rreq *q, int st, const char *msg, const char *
   router_retire(r, q);
 }
 
-/* The prompt is made (api_prep.c): check the context, admit, route. */
-static void zapi_prepared(router *r, rreq *q, int st, const char *msg, const char *code) {
-  char err[1024];
-  snprintf(err, sizeof err, "%s", msg);
-  if (!st) st = api_req_prepare(r, q, err, sizeof err, &code);
-  if (!st && q->timeout_ms) q->deadline = q->t_start + q->timeout_ms;
-  if (!st) st = api_req_admit(r, q, err, sizeof err);
-  if (st) {
-    refuse_req(r, q, st, err, code);
-    return;
-  }
-  for (int i = 0; i < q->n_prompts; i++) pd_metric_add(r->m.prompt_tokens, q->prompts[i].n);
-  route_submit(r, q);
-}
-
 /* The prompt into p: text (copied: the message is freed after this call), token ids or chat
  * messages. 0 or an HTTP status with msg. */
 static int prompt_input(api_prep *p, const Pd__GenerateRequest *g, char *msg, size_t cap) {
@@ -217,14 +202,14 @@ static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateReques
       snprintf(q->cache_salt_str, sizeof q->cache_salt_str, "%s", g->cache_salt);
       q->cache_salt = pd_node_cache_salt(g->cache_salt);
     }
-    p = api_prep_new(r, q, zapi_prepared);
+    p = api_prep_new(r, q, refuse_req);
     st = p ? prompt_input(p, g, err, sizeof err) : 500;
   }
   /* registered before the prompt is made, so that a CancelRequest finds it meanwhile */
   if (!st && !smap_put(&r->zreqs, key, q)) st = 500;
   if (!st) {
     st = api_prep_submit(p, err, sizeof err, &code);
-    if (!st) return; /* zapi_prepared continues (perhaps already did) */
+    if (!st) return; /* it goes on from the pool (perhaps already did) */
     p = NULL;
   }
   api_prep_free(p);

@@ -260,12 +260,13 @@ cJSON *lp_append(router *r, rreq *q, cJSON *acc, const pd_logprobs *lps, int n, 
  * usual; freeing a request whose job is out detaches the job (api_prep_detach, from
  * api_req_free), whose result is then dropped when it comes back: the request is freed once, by
  * router_gc, and the job once, by its own completion. */
-/* Called on the loop when the prompts are ready (status 0, q->prompts set) or cannot be made
- * (400, 500, 503 with msg and an OpenAI error code or NULL); never for a request that finished
- * or was freed meanwhile. */
-typedef void (*api_prep_done_fn)(router *r, rreq *q, int status, const char *msg,
-                                 const char *code);
-api_prep *api_prep_new(router *r, rreq *q, api_prep_done_fn done); /* NULL: out of memory */
+/* When the prompts are back (and q neither finished nor freed meanwhile), the request goes on:
+ * the context check (api_req_prepare), admission (api_req_admit), then route_submit. A request
+ * that cannot go on (its prompts could not be made, 400 / 500 / 503 at shutdown; or prepare or
+ * admit refused it) is handed to refuse, which answers the client (msg, an OpenAI error code or
+ * NULL) and retires it. */
+typedef void (*api_refuse_fn)(router *r, rreq *q, int status, const char *msg, const char *code);
+api_prep *api_prep_new(router *r, rreq *q, api_refuse_fn refuse); /* NULL: out of memory */
 void api_prep_free(api_prep *p); /* a job never submitted */
 /* What the job reads must live as long as the job: the parsed body (taken over), blocks it
  * adopts (malloc'ed; freed at once on failure) or copies it keeps. */
@@ -279,11 +280,11 @@ bool api_prep_ids(api_prep *p, int32_t *ids, int n);
  * has none. */
 int api_prep_chat(api_prep *p, pd_chat_msg *msgs, int n, bool add_gen, bool cont, char *msg,
                   size_t cap);
-/* Submits p (always consumed). 0: done will be called, from the pool, or before this returns
+/* Submits p (always consumed). 0: the request goes on from the pool, or before this returns
  * when there is nothing to tokenize (the caller must not touch q after 0). Otherwise an HTTP
- * status with msg and *code, and done is never called: 400 when the prompt text (or the roles
- * and contents of the messages) is over --max-prompt-mb, checked before any tokenizing; 429
- * when --max-queue jobs are already waiting for the pool. */
+ * status with msg and *code for the caller to refuse the request with: 400 when the prompt text
+ * (or the roles and contents of the messages) is over --max-prompt-mb, checked before any
+ * tokenizing; 429 when --max-queue jobs are already waiting for the pool. */
 int api_prep_submit(api_prep *p, char *msg, size_t cap, const char **code);
 void api_prep_detach(rreq *q);
 int api_prep_in_flight(router *r); /* jobs in the pool */
@@ -302,7 +303,8 @@ rreq *api_req_new(router *r, api_kind kind);
 int api_http_status(Pd__ErrorCode c);
 const char *api_error_code_str(Pd__ErrorCode c);
 /* Builds prompts/params shared by HTTP and ZMQ: checks context, fills seed, wire params,
- * subs. Returns 0 or an HTTP status with msg set. */
+ * subs, deadline (q->timeout_ms, else --request-timeout). Returns 0 or an HTTP status with msg
+ * set. */
 int api_req_prepare(router *r, rreq *q, char *msg, size_t cap, const char **code);
 /* Refuses a new request with 429 / 503 when the queue is full or no node can take it: 0 or the
  * status with msg. */
