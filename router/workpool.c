@@ -9,9 +9,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define POOL_MAX_THREADS 64
+/* Workers run this much nicer than the process: when CPUs are short (tokenizing three 5 MB
+ * prompts on a two-core machine), the loop thread, at the process's priority, still gets the CPU
+ * within a scheduler tick instead of a fair third of it (nice 10 weighs 110 against 1024). */
+#define POOL_NICE 10
 
 typedef struct wqueue {
   pd_work *head, *tail;
@@ -63,6 +69,10 @@ static pd_work *take(pd_workpool *p) {
 
 static void *worker_main(void *arg) {
   pd_workpool *p = arg;
+  /* Linux: a thread's own nice value (best effort: raising it needs no privilege) */
+  errno = 0;
+  int base = getpriority(PRIO_PROCESS, 0);
+  if (errno == 0) setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), base + POOL_NICE);
   pthread_mutex_lock(&p->mu);
   for (;;) {
     pd_work *w = NULL;

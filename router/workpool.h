@@ -11,7 +11,8 @@
  * Two lanes. A job marked big (the caller decides: the router uses the prompt's size) runs on
  * at most threads - 1 workers at a time when there are two or more, so small jobs always find a
  * worker while big ones are being ground through; small jobs are taken first. FIFO within a
- * lane.
+ * lane. Workers run at a lower priority (nice +10) than the process, so the loop comes first
+ * when CPUs are short.
  *
  * Threading: pd_workpool_new / submit / pending / free are loop-thread calls (or calls made
  * while the loop is not running). */

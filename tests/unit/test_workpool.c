@@ -1,13 +1,14 @@
 /* Worker pool (router/workpool.h) on a real event loop: every job runs once on a worker thread
  * and its done callback runs once on the loop thread; the pending count returns to zero; a small
  * job completes while big jobs hold every big slot (at most threads - 1 big jobs at once; with
- * one thread big jobs still run); freeing the pool waits for running jobs and hands queued ones
- * back with ran = false; bad arguments. Every wait is bounded. */
+ * one thread big jobs still run); workers run at nice +10; freeing the pool waits for running
+ * jobs and hands queued ones back with ran = false; bad arguments. Every wait is bounded. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@ typedef struct job {
   atomic_int *gate;     /* big jobs wait until it is nonzero (NULL: no wait) */
   int in, out;          /* run: out = in * in */
   bool ran_on_loop;     /* run was (wrongly) called on the loop thread */
+  int nice;             /* the worker's nice value */
   bool done_on_loop;    /* done was called on the loop thread */
   int done_calls;
 } job;
@@ -33,6 +35,7 @@ static atomic_int g_small_done_while_big_blocked;
 static void run_job(pd_work *w) {
   job *j = (job *)w;
   j->ran_on_loop = pd_evloop_in_loop_thread(j->loop);
+  j->nice = getpriority(PRIO_PROCESS, 0); /* Linux: the calling thread's */
   if (w->big) {
     int now = atomic_fetch_add(&g_big_running, 1) + 1;
     int m = atomic_load(&g_big_max);
@@ -98,6 +101,9 @@ static void test_many_small(void) {
       bad++;
   CHECKF(bad == 0, "%d of %d jobs wrong", bad, N);
   CHECK(pd_workpool_pending(p) == 0);
+  /* the workers yield to the loop when CPUs are short */
+  int base = getpriority(PRIO_PROCESS, 0), want = base + 10 > 19 ? 19 : base + 10;
+  CHECKF(jobs[0].nice == want, "worker nice %d, want %d", jobs[0].nice, want);
   pd_workpool_free(p);
   pd_evloop_free(l);
 }
