@@ -39,7 +39,6 @@ struct api_prep {
   prompt *prompts;
   int n_prompts;
   int status;
-  const char *code;
   char err[1024];
 };
 
@@ -242,7 +241,7 @@ static void prep_finish(api_prep *p) {
   }
   if (q && !q->finished) {
     int st = p->status;
-    const char *code = p->code;
+    const char *code = NULL;
     if (!st) {
       PD_ASSERT(!q->prompts);
       q->prompts = p->prompts;
