@@ -95,6 +95,7 @@ rreq *api_req_new(router *r, api_kind kind) {
 }
 
 void api_req_free(router *r, rreq *q) {
+  api_prep_detach(q);
   if (q->kind == API_ZMQ) zapi_forget(r, q);
   if (q->prev_all) q->prev_all->next_all = q->next_all;
   else if (r->all == q) r->all = q->next_all;
@@ -146,25 +147,6 @@ void api_cancel(router *r, rreq *q) {
   rmetrics_request(r, api_name(q->kind), 499);
   rmetrics_error(r, "aborted");
   router_retire(r, q);
-}
-
-/* Adds a prompt (token ids taken over). */
-static bool add_prompt(rreq *q, int32_t *ids, int n, const char *text, size_t text_len) {
-  prompt *p = realloc(q->prompts, (size_t)(q->n_prompts + 1) * sizeof *p);
-  if (!p) return false;
-  q->prompts = p;
-  prompt *x = &q->prompts[q->n_prompts++];
-  memset(x, 0, sizeof *x);
-  x->ids = ids;
-  x->n = n;
-  if (text) {
-    x->text = malloc(text_len + 1);
-    if (!x->text) return false;
-    memcpy(x->text, text, text_len);
-    x->text[text_len] = 0;
-    x->text_len = text_len;
-  }
-  return true;
 }
 
 static Pd__SamplingParams *wire_params(const pd_sampling_params *p) {
@@ -278,7 +260,22 @@ int api_req_prepare(router *r, rreq *q, char *msg, size_t cap, const char **code
     s->stop_token = -1;
     s->state = SUB_DONE; /* route_submit queues it */
   }
-  q->deadline = q->t_start + (int64_t)r->o.request_timeout_s * 1000;
+  q->deadline = q->t_start + (q->timeout_ms ? (int64_t)q->timeout_ms
+                                            : (int64_t)r->o.request_timeout_s * 1000);
+  return 0;
+}
+
+int api_req_admit(router *r, rreq *q, char *msg, size_t cap) {
+  if (route_queue_length(r) + q->n_subs > r->o.max_queue) {
+    snprintf(msg, cap, "too many requests are waiting (%d); retry later", route_queue_length(r));
+    return 429;
+  }
+  int n_prefill = registry_count(r, PD__ROLE__ROLE_PREFILL, false);
+  if (n_prefill == 0 ||
+      (q->op.p.max_tokens > 1 && registry_count(r, PD__ROLE__ROLE_DECODE, false) == 0)) {
+    snprintf(msg, cap, "no %s node is available", n_prefill == 0 ? "prefill" : "decode");
+    return 503;
+  }
   return 0;
 }
 
@@ -369,18 +366,6 @@ static int32_t *ids_from_json(const cJSON *a, int *n, char *msg, size_t cap) {
   }
   *n = i;
   return ids;
-}
-
-static bool tokenize(router *r, const char *text, size_t len, bool add_special, int32_t **ids,
-                     int *n, char *msg, size_t cap) {
-  size_t nn = 0;
-  pd_err e = {0};
-  if (pd_tokenizer_encode(r->tok, text, len, add_special, ids, &nn, &e) != PD_OK) {
-    snprintf(msg, cap, "cannot tokenize the prompt: %s", e.msg);
-    return false;
-  }
-  *n = (int)nn;
-  return true;
 }
 
 /* Fields common to completions, chat and /generate. Returns 0 or an HTTP status. */
@@ -482,7 +467,8 @@ static int parse_common(router *r, rreq *q, const cJSON *body, int default_max, 
   return 0;
 }
 
-static int parse_completion_prompt(router *r, rreq *q, const cJSON *body, char *msg, size_t cap) {
+/* The prompt(s) of a completion: strings to tokenize or token ids, in order, into p. */
+static int parse_completion_prompt(api_prep *p, const cJSON *body, char *msg, size_t cap) {
   const cJSON *pr = field(body, "prompt");
   bool add_special = true;
   if (!get_bool(body, "add_special_tokens", &add_special, msg, cap)) return 400;
@@ -495,12 +481,7 @@ static int parse_completion_prompt(router *r, rreq *q, const cJSON *body, char *
       snprintf(msg, cap, "the prompt must not be empty");
       return 400;
     }
-    int32_t *ids;
-    int n;
-    size_t len = strlen(pr->valuestring);
-    if (!tokenize(r, pr->valuestring, len, add_special, &ids, &n, msg, cap)) return 400;
-    if (!add_prompt(q, ids, n, pr->valuestring, len)) return 500;
-    return 0;
+    return api_prep_text(p, pr->valuestring, strlen(pr->valuestring), add_special) ? 0 : 500;
   }
   if (!cJSON_IsArray(pr) || cJSON_GetArraySize(pr) == 0) {
     snprintf(msg, cap, "'prompt' must be a string, a list of strings, a list of token ids or a "
@@ -512,8 +493,7 @@ static int parse_completion_prompt(router *r, rreq *q, const cJSON *body, char *
     int n;
     int32_t *ids = ids_from_json(pr, &n, msg, cap);
     if (!ids) return 400;
-    if (!add_prompt(q, ids, n, NULL, 0)) return 500;
-    return 0;
+    return api_prep_ids(p, ids, n) ? 0 : 500;
   }
   if (cJSON_GetArraySize(pr) > 64) {
     snprintf(msg, cap, "at most 64 prompts per request");
@@ -521,19 +501,17 @@ static int parse_completion_prompt(router *r, rreq *q, const cJSON *body, char *
   }
   const cJSON *v;
   cJSON_ArrayForEach(v, pr) {
-    int32_t *ids = NULL;
-    int n = 0;
     if (cJSON_IsString(v)) {
       if (!v->valuestring[0]) {
         snprintf(msg, cap, "the prompt must not be empty");
         return 400;
       }
-      size_t len = strlen(v->valuestring);
-      if (!tokenize(r, v->valuestring, len, add_special, &ids, &n, msg, cap)) return 400;
-      if (!add_prompt(q, ids, n, v->valuestring, len)) return 500;
+      if (!api_prep_text(p, v->valuestring, strlen(v->valuestring), add_special)) return 500;
     } else if (cJSON_IsArray(v)) {
-      if (!(ids = ids_from_json(v, &n, msg, cap))) return 400;
-      if (!add_prompt(q, ids, n, NULL, 0)) return 500;
+      int n = 0;
+      int32_t *ids = ids_from_json(v, &n, msg, cap);
+      if (!ids) return 400;
+      if (!api_prep_ids(p, ids, n)) return 500;
     } else {
       snprintf(msg, cap, "'prompt' list entries must be strings or lists of token ids");
       return 400;
@@ -542,43 +520,9 @@ static int parse_completion_prompt(router *r, rreq *q, const cJSON *body, char *
   return 0;
 }
 
-/* Renders messages through the chat template and tokenizes the result. Also used by the ZMQ
- * API (msgs from protobuf). */
-static int chat_prompt(router *r, rreq *q, const pd_chat_msg *msgs, int n, bool add_gen,
-                       bool cont, char *msg, size_t cap) {
-  if (!pd_tokenizer_has_chat_template(r->tok)) {
-    snprintf(msg, cap, "this model has no chat template: use /v1/completions");
-    return 400;
-  }
-  char *text = NULL;
-  pd_err e = {0};
-  if (pd_tokenizer_apply_chat(r->tok, msgs, (size_t)n, add_gen && !cont, &text, &e) != PD_OK) {
-    snprintf(msg, cap, "cannot apply the chat template: %s", e.msg);
-    return 400;
-  }
-  size_t len = strlen(text);
-  if (cont && n > 0 && msgs[n - 1].content && msgs[n - 1].content[0]) {
-    /* continue the last message: cut what the template adds after its content (vLLM) */
-    const char *c = msgs[n - 1].content, *last = NULL;
-    for (const char *p = strstr(text, c); p; p = strstr(p + 1, c)) last = p;
-    if (last) len = (size_t)(last - text) + strlen(c);
-  }
-  int32_t *ids;
-  int k;
-  bool ok = tokenize(r, text, len, false, &ids, &k, msg, cap);
-  if (ok && !add_prompt(q, ids, k, NULL, 0)) ok = false;
-  free(text);
-  return ok ? 0 : 400;
-}
-
-int api_chat_prompt(router *r, rreq *q, const pd_chat_msg *msgs, int n, bool add_gen, bool cont,
-                    char *msg, size_t cap);
-int api_chat_prompt(router *r, rreq *q, const pd_chat_msg *msgs, int n, bool add_gen, bool cont,
-                    char *msg, size_t cap) {
-  return chat_prompt(r, q, msgs, n, add_gen, cont, msg, cap);
-}
-
-static int parse_chat_messages(router *r, rreq *q, const cJSON *body, char *msg, size_t cap) {
+/* The messages of a chat request into p (their strings stay in the parsed body, which p owns
+ * by then; joined content parts are adopted by p). */
+static int parse_chat_messages(api_prep *p, const cJSON *body, char *msg, size_t cap) {
   const cJSON *ms = field(body, "messages");
   if (!ms || !cJSON_IsArray(ms) || cJSON_GetArraySize(ms) == 0) {
     snprintf(msg, cap, "'messages' must be a non-empty list");
@@ -590,12 +534,10 @@ static int parse_chat_messages(router *r, rreq *q, const cJSON *body, char *msg,
     return 400;
   }
   pd_chat_msg *m = calloc((size_t)k, sizeof *m);
-  char **owned = calloc((size_t)k, sizeof *owned);
+  if (!m) return 500;
   int st = 0;
-  if (!m || !owned) st = 500;
   const cJSON *v;
   cJSON_ArrayForEach(v, ms) {
-    if (st) break;
     const cJSON *role = cJSON_IsObject(v) ? field(v, "role") : NULL;
     const cJSON *content = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "content") : NULL;
     if (!role || !cJSON_IsString(role)) {
@@ -624,16 +566,21 @@ static int parse_chat_messages(router *r, rreq *q, const cJSON *body, char *msg,
         tot += strlen(tx->valuestring) + 1;
       }
       if (st) break;
-      owned[i] = calloc(tot, 1);
-      if (!owned[i]) {
+      char *joined = calloc(tot, 1);
+      if (!joined || !api_prep_adopt(p, joined)) {
         st = 500;
         break;
       }
+      size_t o = 0;
       cJSON_ArrayForEach(part, content) {
-        if (owned[i][0]) strcat(owned[i], "\n");
-        strcat(owned[i], field(part, "text")->valuestring);
+        const char *tx = field(part, "text")->valuestring;
+        size_t l = strlen(tx);
+        if (o) joined[o++] = '\n';
+        memcpy(joined + o, tx, l);
+        o += l;
       }
-      m[i].content = owned[i];
+      joined[o] = 0;
+      m[i].content = joined;
     } else {
       snprintf(msg, cap, "messages[%d]: 'content' must be a string or a list of parts", i);
       st = 400;
@@ -649,11 +596,11 @@ static int parse_chat_messages(router *r, rreq *q, const cJSON *body, char *msg,
     snprintf(msg, cap, "add_generation_prompt and continue_final_message cannot both be true");
     st = 400;
   }
-  if (!st) st = chat_prompt(r, q, m, k, add_gen, cont, msg, cap);
-  for (int j = 0; j < k && owned; j++) free(owned[j]);
-  free(owned);
-  free(m);
-  return st;
+  if (st) {
+    free(m);
+    return st;
+  }
+  return api_prep_chat(p, m, k, add_gen, cont, msg, cap);
 }
 
 /* ---- the OpenAI output shapes ---- */
@@ -973,6 +920,16 @@ static pd_status api_http_hold(rreq *q, pd_http_req *req) {
   return PD_OK;
 }
 
+/* A request refused once its hold is taken: the answer goes out through the hold. */
+static void http_refuse(router *r, rreq *q, int status, const char *msg, const char *code) {
+  respond_err(r, q->http, q->kind, status, msg[0] ? msg : "out of memory", code);
+  api_http_release(q);
+  q->finished = true;
+  router_retire(r, q);
+}
+
+/* Validates and parses the body here (about 3 ms per MB), then hands the prompts to the worker
+ * pool: tokenizing and chat templates cost about 0.2 s per MB and would stall every client. */
 static void handle_generation(router *r, pd_http_req *req, const pd_http_request *msg,
                               api_kind kind) {
   char err[1024] = "";
@@ -999,8 +956,14 @@ static void handle_generation(router *r, pd_http_req *req, const pd_http_request
     respond_err(r, req, kind, 500, "out of memory", NULL);
     return;
   }
+  if (api_http_hold(q, req) != PD_OK) {
+    cJSON_Delete(body);
+    api_cancel(r, q);
+    return;
+  }
+  api_prep *p = api_prep_new(r, q, http_refuse);
   int default_max = kind == API_CHAT ? -1 : r->o.default_max_tokens;
-  int st = parse_common(r, q, body, default_max, err, sizeof err, &code);
+  int st = p ? parse_common(r, q, body, default_max, err, sizeof err, &code) : 500;
   if (!st && kind == API_COMPLETIONS) {
     if (!get_bool(body, "echo", &q->echo, err, sizeof err)) st = 400;
     const cJSON *suffix = field(body, "suffix");
@@ -1010,49 +973,26 @@ static void handle_generation(router *r, pd_http_req *req, const pd_http_request
     }
   }
   if (!st) {
-    if (kind == API_CHAT) st = parse_chat_messages(r, q, body, err, sizeof err);
-    else if (kind == API_GENERATE) {
-      const cJSON *pr = field(body, "prompt");
-      if (!pr || !cJSON_IsString(pr)) {
-        snprintf(err, sizeof err, "'prompt' must be a string");
-        st = 400;
-      } else {
-        st = parse_completion_prompt(r, q, body, err, sizeof err);
-      }
+    const cJSON *b = body;
+    api_prep_own_json(p, body); /* the prompts and messages point into it */
+    body = NULL;
+    if (kind == API_CHAT) {
+      st = parse_chat_messages(p, b, err, sizeof err);
+    } else if (kind == API_GENERATE && !cJSON_IsString(field(b, "prompt"))) {
+      snprintf(err, sizeof err, "'prompt' must be a string");
+      st = 400;
     } else {
-      st = parse_completion_prompt(r, q, body, err, sizeof err);
+      st = parse_completion_prompt(p, b, err, sizeof err);
     }
   }
   cJSON_Delete(body);
-  if (!st) st = api_req_prepare(r, q, err, sizeof err, &code);
-  if (!st && route_queue_length(r) + q->n_subs > r->o.max_queue) {
-    snprintf(err, sizeof err, "too many requests are waiting (%d); retry later",
-             route_queue_length(r));
-    st = 429;
-  }
   if (!st) {
-    bool need_d = q->op.p.max_tokens > 1;
-    if (registry_count(r, PD__ROLE__ROLE_PREFILL, false) == 0 ||
-        (need_d && registry_count(r, PD__ROLE__ROLE_DECODE, false) == 0)) {
-      snprintf(err, sizeof err, "no %s node is available",
-               registry_count(r, PD__ROLE__ROLE_PREFILL, false) == 0 ? "prefill" : "decode");
-      st = 503;
-    }
+    st = api_prep_submit(p, err, sizeof err, &code);
+    if (!st) return; /* it goes on from the pool (perhaps already did) */
+    p = NULL;
   }
-  if (st) {
-    respond_err(r, req, kind, st, err, code);
-    q->finished = true;
-    router_retire(r, q);
-    return;
-  }
-  if (api_http_hold(q, req) != PD_OK) {
-    api_cancel(r, q);
-    return;
-  }
-  for (int i = 0; i < q->n_prompts; i++) pd_metric_add(r->m.prompt_tokens, q->prompts[i].n);
-  pd_log(PD_LOG_DEBUG, "%s: %s, %d prompt(s), %d choice(s), max_tokens %d%s", q->id,
-         api_name(kind), q->n_prompts, q->n_subs, q->op.p.max_tokens, q->stream ? ", stream" : "");
-  route_submit(r, q);
+  api_prep_free(p);
+  http_refuse(r, q, st, err, code);
 }
 
 static bool auth_ok(router *r, const pd_http_request *msg) {

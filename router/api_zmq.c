@@ -10,9 +10,6 @@
 
 #include "router.h"
 
-int api_chat_prompt(router *r, rreq *q, const pd_chat_msg *msgs, int n, bool add_gen, bool cont,
-                    char *msg, size_t cap);
-
 static void zkey(const uint8_t *rid, size_t n, const char *id, char *out, size_t cap) {
   size_t j = 0;
   static const char hx[] = "0123456789abcdef";
@@ -40,8 +37,8 @@ static void send_chunk(router *r, rreq *q, Pd__GenerateChunk *c) {
   }
 }
 
-static void refuse(router *r, const pd_net_msg *m, const char *id, Pd__ErrorCode code,
-                   const char *msg) {
+static void refuse(router *r, const uint8_t *rid, size_t rid_len, const char *id,
+                   Pd__ErrorCode code, const char *msg) {
   Pd__Error err;
   pd__error__init(&err);
   err.code = code;
@@ -58,7 +55,7 @@ static void refuse(router *r, const pd_net_msg *m, const char *id, Pd__ErrorCode
   env.chunk = &c;
   env.sender = "router";
   pd_err e = {0};
-  pd_net_send(r->client_sock, m->routing_id, m->routing_id_len, &env, NULL, 0, &e);
+  pd_net_send(r->client_sock, rid, rid_len, &env, NULL, 0, &e);
   router_after_send(r);
   rmetrics_request(r, "zmq", api_http_status(code));
   rmetrics_error(r, api_error_code_str(code));
@@ -83,19 +80,70 @@ static bool copy_params(rreq *q, const pd_sampling_params *p) {
   return true;
 }
 
+/* The error code for a refusal with HTTP status st. */
+static Pd__ErrorCode refusal_code(int st, const char *code) {
+  if (code && !strcmp(code, "context_length_exceeded")) return PD__ERROR_CODE__ERROR_CODE_CONTEXT_TOO_LONG;
+  switch (st) {
+    case 404: return PD__ERROR_CODE__ERROR_CODE_NOT_FOUND;
+    case 429:
+    case 503: return PD__ERROR_CODE__ERROR_CODE_OVERLOADED;
+    case 500: return PD__ERROR_CODE__ERROR_CODE_INTERNAL;
+    default: return PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST;
+  }
+}
+
+/* Refuses q (registered or not) and lets it go. */
+static void refuse_req(router *r, rreq *q, int st, const char *msg, const char *code) {
+  refuse(r, q->zrid, q->zrid_len, q->client_id, refusal_code(st, code),
+         msg[0] ? msg : "out of memory");
+  q->finished = true;
+  router_retire(r, q);
+}
+
+/* The prompt into p: text (copied: the message is freed after this call), token ids or chat
+ * messages. 0 or an HTTP status with msg. */
+static int prompt_input(api_prep *p, const Pd__GenerateRequest *g, char *msg, size_t cap) {
+  if (g->prompt && *g->prompt) {
+    size_t n = strlen(g->prompt);
+    const char *t = api_prep_keep(p, g->prompt, n);
+    return t && api_prep_text(p, t, n, false) ? 0 : 500;
+  }
+  if (g->n_prompt_token_ids) {
+    int32_t *ids = malloc(g->n_prompt_token_ids * sizeof *ids);
+    if (!ids) return 500;
+    memcpy(ids, g->prompt_token_ids, g->n_prompt_token_ids * sizeof *ids);
+    return api_prep_ids(p, ids, (int)g->n_prompt_token_ids) ? 0 : 500;
+  }
+  pd_chat_msg *msgs = calloc(g->n_messages ? g->n_messages : 1, sizeof *msgs);
+  if (!msgs) return 500;
+  for (size_t i = 0; i < g->n_messages; i++) {
+    const char *role = g->messages[i]->role, *content = g->messages[i]->content;
+    msgs[i].role = api_prep_keep(p, role, strlen(role));
+    msgs[i].content = api_prep_keep(p, content, strlen(content));
+    if (!msgs[i].role || !msgs[i].content) {
+      free(msgs);
+      return 500;
+    }
+  }
+  return api_prep_chat(p, msgs, (int)g->n_messages, true, g->continue_final_message, msg, cap);
+}
+
 static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateRequest *g) {
   char id[PD_WIRE_ID_MAX_BYTES + 1];
   rreq *q = api_req_new(r, API_ZMQ);
   if (!q) {
-    refuse(r, m, g->request_id, PD__ERROR_CODE__ERROR_CODE_INTERNAL, "out of memory");
+    refuse(r, m->routing_id, m->routing_id_len, g->request_id,
+           PD__ERROR_CODE__ERROR_CODE_INTERNAL, "out of memory");
     return;
   }
   snprintf(id, sizeof id, "%s", g->request_id && *g->request_id ? g->request_id : q->id);
+  memcpy(q->zrid, m->routing_id, m->routing_id_len);
+  q->zrid_len = m->routing_id_len;
+  snprintf(q->client_id, sizeof q->client_id, "%s", id);
   char key[2 * PD_NET_ROUTING_ID_MAX + PD_WIRE_ID_MAX_BYTES + 4];
   zkey(m->routing_id, m->routing_id_len, id, key, sizeof key);
   char err[1024] = "";
   const char *code = NULL;
-  Pd__ErrorCode ec = PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST;
   int st = 0;
   if (smap_get(&r->zreqs, key)) {
     snprintf(err, sizeof err, "request id %s is already in use on this connection", id);
@@ -103,7 +151,6 @@ static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateReques
   }
   if (!st && g->model && *g->model && strcmp(g->model, r->model_name)) {
     snprintf(err, sizeof err, "The model `%.200s` does not exist.", g->model);
-    ec = PD__ERROR_CODE__ERROR_CODE_NOT_FOUND;
     st = 404;
   }
   pd_logit_bias *bias = NULL;
@@ -143,102 +190,30 @@ static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateReques
     }
     q->include_stop_str = sp->include_stop_str_in_output;
   }
+  api_prep *p = NULL;
   if (!st) {
     q->stream = g->stream;
     q->include_usage = g->include_usage || !g->stream;
     q->skip_special = !g->keep_special_tokens;
     q->lp_top = q->op.p.logprobs;
     q->want_prompt_lp = q->op.p.prompt_logprobs >= 0;
+    q->timeout_ms = g->timeout_ms;
     if (g->cache_salt && *g->cache_salt) {
       snprintf(q->cache_salt_str, sizeof q->cache_salt_str, "%s", g->cache_salt);
       q->cache_salt = pd_node_cache_salt(g->cache_salt);
     }
-    memcpy(q->zrid, m->routing_id, m->routing_id_len);
-    q->zrid_len = m->routing_id_len;
-    snprintf(q->client_id, sizeof q->client_id, "%s", id);
-    if (g->prompt && *g->prompt) {
-      int32_t *ids = NULL;
-      size_t n = 0;
-      pd_err e = {0};
-      if (pd_tokenizer_encode(r->tok, g->prompt, strlen(g->prompt), false, &ids, &n, &e) != PD_OK) {
-        snprintf(err, sizeof err, "cannot tokenize the prompt: %s", e.msg);
-        st = 400;
-      } else {
-        prompt *p = calloc(1, sizeof *p);
-        if (!p) {
-          free(ids);
-          st = 500;
-        } else {
-          p->ids = ids;
-          p->n = (int)n;
-          p->text = strdup(g->prompt);
-          p->text_len = strlen(g->prompt);
-          q->prompts = p;
-          q->n_prompts = 1;
-        }
-      }
-    } else if (g->n_prompt_token_ids) {
-      prompt *p = calloc(1, sizeof *p);
-      int32_t *ids = malloc(g->n_prompt_token_ids * sizeof *ids);
-      if (!p || !ids) {
-        free(p);
-        free(ids);
-        st = 500;
-      } else {
-        memcpy(ids, g->prompt_token_ids, g->n_prompt_token_ids * sizeof *ids);
-        p->ids = ids;
-        p->n = (int)g->n_prompt_token_ids;
-        q->prompts = p;
-        q->n_prompts = 1;
-      }
-    } else {
-      pd_chat_msg *msgs = calloc(g->n_messages ? g->n_messages : 1, sizeof *msgs);
-      if (!msgs) {
-        st = 500;
-      } else {
-        for (size_t i = 0; i < g->n_messages; i++)
-          msgs[i] = (pd_chat_msg){g->messages[i]->role, g->messages[i]->content};
-        st = api_chat_prompt(r, q, msgs, (int)g->n_messages, true, g->continue_final_message, err,
-                             sizeof err);
-        free(msgs);
-      }
-    }
+    p = api_prep_new(r, q, refuse_req);
+    st = p ? prompt_input(p, g, err, sizeof err) : 500;
   }
+  /* registered before the prompt is made, so that a CancelRequest finds it meanwhile */
+  if (!st && !smap_put(&r->zreqs, key, q)) st = 500;
   if (!st) {
-    st = api_req_prepare(r, q, err, sizeof err, &code);
-    if (code && !strcmp(code, "context_length_exceeded"))
-      ec = PD__ERROR_CODE__ERROR_CODE_CONTEXT_TOO_LONG;
+    st = api_prep_submit(p, err, sizeof err, &code);
+    if (!st) return; /* it goes on from the pool (perhaps already did) */
+    p = NULL;
   }
-  if (!st && g->timeout_ms) q->deadline = q->t_start + g->timeout_ms;
-  if (!st && route_queue_length(r) + q->n_subs > r->o.max_queue) {
-    snprintf(err, sizeof err, "too many requests are waiting; retry later");
-    ec = PD__ERROR_CODE__ERROR_CODE_OVERLOADED;
-    st = 429;
-  }
-  if (!st && (registry_count(r, PD__ROLE__ROLE_PREFILL, false) == 0 ||
-              (q->op.p.max_tokens > 1 && registry_count(r, PD__ROLE__ROLE_DECODE, false) == 0))) {
-    snprintf(err, sizeof err, "no prefill or decode node is available");
-    ec = PD__ERROR_CODE__ERROR_CODE_OVERLOADED;
-    st = 503;
-  }
-  if (st) {
-    if (st == 500) {
-      ec = PD__ERROR_CODE__ERROR_CODE_INTERNAL;
-      if (!err[0]) snprintf(err, sizeof err, "out of memory");
-    }
-    refuse(r, m, id, ec, err);
-    q->finished = true;
-    router_retire(r, q);
-    return;
-  }
-  if (!smap_put(&r->zreqs, key, q)) {
-    refuse(r, m, id, PD__ERROR_CODE__ERROR_CODE_INTERNAL, "out of memory");
-    q->finished = true;
-    router_retire(r, q);
-    return;
-  }
-  for (int i = 0; i < q->n_prompts; i++) pd_metric_add(r->m.prompt_tokens, q->prompts[i].n);
-  route_submit(r, q);
+  api_prep_free(p);
+  refuse_req(r, q, st, err, code);
 }
 
 void zapi_forget(router *r, rreq *q) {
@@ -252,14 +227,14 @@ static void on_cancel(router *r, const pd_net_msg *m, const Pd__CancelRequest *c
   zkey(m->routing_id, m->routing_id_len, c->request_id, key, sizeof key);
   rreq *q = smap_get(&r->zreqs, key);
   if (!q || q->finished) return;
-  /* the client gets a last chunk per unfinished choice (ABORT), then the request is gone */
-  for (int i = 0; i < q->n_subs; i++) {
-    rsub *s = &q->subs[i];
-    if (s->finished) continue;
+  /* the client gets a last chunk per unfinished choice (ABORT), then the request is gone; a
+   * request whose prompt is still being made has no choices yet: one chunk for index 0 */
+  for (int i = 0; i < q->n_subs || (i == 0 && q->prep); i++) {
+    if (q->n_subs && q->subs[i].finished) continue;
     Pd__GenerateChunk ch;
     pd__generate_chunk__init(&ch);
     ch.request_id = q->client_id;
-    ch.index = (uint32_t)s->index;
+    ch.index = (uint32_t)i;
     ch.finish_reason = PD__FINISH_REASON__FINISH_REASON_ABORT;
     Pd__Error err;
     pd__error__init(&err);

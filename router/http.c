@@ -14,7 +14,18 @@
  * Every state change happens in conn_drive(), called from the connection's fd events, its timer
  * and "kicks" (a zero-delay server timer that drives connections whose response a handler
  * changed from outside conn_drive). Response calls only queue bytes, try a non-blocking send
- * and set flags, so a handler is never re-entered and a connection is never freed under it. */
+ * and set flags, so a handler is never re-entered and a connection is never freed under it.
+ *
+ * A full table (the idle-connection flood). Connections in IDLE or HEAD have no request in
+ * progress: they are "evictable", kept in a list oldest first (by when they became so: accept,
+ * or the end of their last response) and in one such list per peer address. A new connection
+ * over max_connections_per_ip takes the place of its address's oldest evictable one (refused
+ * when there is none); one over max_connections takes the place of the oldest evictable one
+ * overall (nginx reuses idle keep-alive connections the same way); only when nothing is
+ * evictable does accepting pause. Above busy_percent of the table (and until it is back at half
+ * of that), evictable connections get busy_timeout_ms instead of the header and idle timeouts:
+ * one sweep timer, armed for the oldest, closes them in order. So idle and slow clients cannot
+ * keep out /health or a real request. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netdb.h>
@@ -29,6 +40,7 @@
 #include <unistd.h>
 
 #include "http_internal.h"
+#include "smap.h"
 
 #define READ_CHUNK 65536       /* bytes read per recv */
 #define DRIVE_BUDGET 16        /* requests / reads per conn_drive before yielding to others */
@@ -43,6 +55,13 @@ typedef enum { R_NONE, R_STREAM, R_DONE } resp_state;
 typedef enum { F_LENGTH, F_CHUNKED, F_CLOSE } framing;
 
 typedef struct conn conn;
+
+/* The open connections of one peer address (the key of the server's per-address map). */
+typedef struct peer_ip {
+  uint32_t n;            /* open connections */
+  conn *ev_head, *ev_tail; /* its evictable ones, oldest first */
+  char key[INET6_ADDRSTRLEN];
+} peer_ip;
 
 struct pd_http_req {
   atomic_int refs;
@@ -80,6 +99,12 @@ struct conn {
   timer_kind tkind;
   conn *prev, *next;   /* server's list */
   conn *kprev, *knext; /* server's kick list */
+  /* no request in progress (IDLE, HEAD): in the server's and its address's evictable lists */
+  bool evictable;
+  uint64_t idle_since; /* monotonic ms: when it became evictable */
+  conn *eprev, *enext; /* server's evictable list */
+  conn *iprev, *inext; /* its address's evictable list */
+  peer_ip *ip;
   char peer[PEER_MAX];
 };
 
@@ -95,6 +120,10 @@ struct pd_http_server {
   conn *kick_head, *kick_tail;
   size_t nkick;
   uint64_t kick_timer;
+  conn *ev_head, *ev_tail; /* evictable connections, oldest first */
+  smap ips;                /* peer address -> peer_ip */
+  uint64_t busy_timer;     /* the sweep of the busy table */
+  bool busy;               /* see table_busy */
   uint64_t next_req_id;
   bool freeing;
   pd_http_stats st;
@@ -114,6 +143,9 @@ void pd_http_config_default(pd_http_config *c) {
   c->port = 8000;
   c->backlog = 511;
   c->max_connections = 4096;
+  c->max_connections_per_ip = 1024;
+  c->busy_percent = 75;
+  c->busy_timeout_ms = 2000;
   c->limits.max_head_bytes = 16 << 10;
   c->limits.max_headers = 100;
   c->limits.max_body_bytes = 8 << 20;
@@ -268,6 +300,115 @@ static void kick_unlink(conn *c) {
   c->kprev = c->knext = NULL;
   c->kicked = false;
   s->nkick--;
+}
+
+/* ---- connections without a request in progress (see the file comment) -------------------- */
+
+static void listener_resume(pd_http_server *s);
+static void conn_timed_out(conn *c, timer_kind k);
+static void busy_arm(pd_http_server *s);
+
+/* Busy from above busy_percent of the table until it is back at half of that: the sweep then
+ * drains the idle connections instead of closing one each time the table crosses the mark. */
+static bool table_busy(pd_http_server *s) {
+  size_t used = s->nconns * 100, mark = (size_t)s->cfg.max_connections * (size_t)s->cfg.busy_percent;
+  if (!s->cfg.busy_timeout_ms) return false;
+  if (used > mark) s->busy = true;
+  else if (used * 2 <= mark) s->busy = false;
+  return s->busy;
+}
+
+/* Closes, in order, the evictable connections that have waited busy_timeout_ms while the table
+ * is busy, and re-arms itself for the next one. */
+static void on_busy(pd_evloop *loop, uint64_t id, void *ud) {
+  pd_http_server *s = ud;
+  s->busy_timer = 0;
+  uint64_t now = pd_evloop_now_ms();
+  while (s->ev_head && table_busy(s) && s->ev_head->idle_since + s->cfg.busy_timeout_ms <= now) {
+    conn *c = s->ev_head;
+    if (c->state == CS_IDLE) s->st.timeouts++; /* (a head on its way: counted with its 408) */
+    conn_timed_out(c, c->state == CS_HEAD ? TK_HEADER : TK_IDLE); /* leaves the list */
+  }
+  busy_arm(s);
+}
+
+static void busy_arm(pd_http_server *s) {
+  if (s->busy_timer || s->freeing || !s->ev_head || !table_busy(s)) return;
+  uint64_t now = pd_evloop_now_ms(), due = s->ev_head->idle_since + s->cfg.busy_timeout_ms;
+  pd_evloop_timer_add(s->loop, due > now ? due - now : 0, on_busy, s, &s->busy_timer, NULL);
+}
+
+static void ev_link(conn *c) {
+  pd_http_server *s = c->srv;
+  peer_ip *ip = c->ip;
+  c->evictable = true;
+  c->idle_since = pd_evloop_now_ms();
+  c->enext = NULL;
+  c->eprev = s->ev_tail;
+  if (s->ev_tail) s->ev_tail->enext = c;
+  else s->ev_head = c;
+  s->ev_tail = c;
+  c->inext = NULL;
+  c->iprev = ip->ev_tail;
+  if (ip->ev_tail) ip->ev_tail->inext = c;
+  else ip->ev_head = c;
+  ip->ev_tail = c;
+}
+
+static void ev_unlink(conn *c) {
+  if (!c->evictable) return;
+  pd_http_server *s = c->srv;
+  peer_ip *ip = c->ip;
+  if (c->eprev) c->eprev->enext = c->enext;
+  else s->ev_head = c->enext;
+  if (c->enext) c->enext->eprev = c->eprev;
+  else s->ev_tail = c->eprev;
+  if (c->iprev) c->iprev->inext = c->inext;
+  else ip->ev_head = c->inext;
+  if (c->inext) c->inext->iprev = c->iprev;
+  else ip->ev_tail = c->iprev;
+  c->eprev = c->enext = c->iprev = c->inext = NULL;
+  c->evictable = false;
+}
+
+/* Every state change goes through here, so the evictable lists follow the states: IDLE and HEAD
+ * are evictable (HEAD keeps the place its IDLE had). A connection that becomes evictable may
+ * let a waiting client in. */
+static void conn_enter(conn *c, conn_state st) {
+  bool ev = st == CS_IDLE || st == CS_HEAD;
+  c->state = st;
+  if (ev == c->evictable) return;
+  if (!ev) {
+    ev_unlink(c);
+    return;
+  }
+  ev_link(c);
+  if (!c->srv->freeing) {
+    listener_resume(c->srv);
+    busy_arm(c->srv);
+  }
+}
+
+/* The open connections of one address: counted in, and out (freed at zero). */
+static peer_ip *ip_ref(pd_http_server *s, const char *key) {
+  peer_ip *ip = smap_get(&s->ips, key);
+  if (!ip) {
+    ip = calloc(1, sizeof *ip);
+    if (!ip) return NULL;
+    snprintf(ip->key, sizeof ip->key, "%s", key);
+    if (!smap_put(&s->ips, ip->key, ip)) {
+      free(ip);
+      return NULL;
+    }
+  }
+  ip->n++;
+  return ip;
+}
+
+static void ip_unref(pd_http_server *s, peer_ip *ip) {
+  if (--ip->n > 0) return;
+  smap_del(&s->ips, ip->key);
+  free(ip);
 }
 
 /* ---- response formatting ------------------------------------------------------------------- */
@@ -564,13 +705,13 @@ size_t pd_http_req_pending_output(const pd_http_req *r) { return r->c ? out_pend
 
 /* ---- connections -------------------------------------------------------------------------- */
 
-static void listener_resume(pd_http_server *s);
-
 /* Closes the socket and frees the connection; an unanswered request is detached and its
  * cancel callback runs (after the connection is gone from the loop). */
 static void conn_close(conn *c) {
   pd_http_server *s = c->srv;
   kick_unlink(c);
+  ev_unlink(c);
+  ip_unref(s, c->ip);
   if (c->timer_id) pd_evloop_timer_cancel(s->loop, c->timer_id);
   pd_evloop_del_fd(s->loop, c->fd);
   close(c->fd);
@@ -614,8 +755,14 @@ static void conn_on_timer(pd_evloop *loop, uint64_t id, void *ud) {
       return;
     }
   }
+  conn_timed_out(c, c->tkind);
+}
+
+/* A timeout of kind k ran out: a 408 when a request was on its way, else the connection
+ * closes. */
+static void conn_timed_out(conn *c, timer_kind k) {
   pd_http_server *s = c->srv;
-  switch (c->tkind) {
+  switch (k) {
     case TK_HEADER:
     case TK_BODY:
       if (c->state == CS_HEAD || c->state == CS_BODY) {
@@ -638,7 +785,7 @@ static void conn_on_timer(pd_evloop *loop, uint64_t id, void *ud) {
         }
         out_put(c, json, strlen(json));
         free(json);
-        c->state = CS_DRAIN;
+        conn_enter(c, CS_DRAIN);
         if (!conn_set_deadline(c, TK_SEND)) break;
         conn_drive(c);
         return;
@@ -669,7 +816,7 @@ static void conn_error(conn *c, int status, const char *msg) {
     out_put(c, json, len);
   }
   free(json);
-  c->state = CS_DRAIN;
+  conn_enter(c, CS_DRAIN);
   if (!conn_set_deadline(c, TK_SEND)) c->failed = true;
 }
 
@@ -688,7 +835,7 @@ static void conn_dispatch(conn *c) {
   memcpy(r->peer, c->peer, sizeof r->peer);
   r->c = c;
   c->req = r;
-  c->state = CS_HANDLING;
+  conn_enter(c, CS_HANDLING);
   if (!r->msg.keep_alive) c->close_after = true;
   c->tkind = TK_NONE;
   s->st.requests_total++;
@@ -750,7 +897,7 @@ static void conn_drive(conn *c) {
       c->req = NULL;
       r->c = NULL;
       pd_http_req_unref(r);
-      c->state = CS_DRAIN;
+      conn_enter(c, CS_DRAIN);
       if (!conn_set_deadline(c, TK_SEND)) goto close;
       continue;
     }
@@ -759,11 +906,11 @@ static void conn_drive(conn *c) {
       if (c->close_after) {
         /* Half-close and drain, so the client reads this response rather than a reset. */
         if (shutdown(c->fd, SHUT_WR) < 0) goto close;
-        c->state = CS_LINGER;
+        conn_enter(c, CS_LINGER);
         if (!conn_set_deadline(c, TK_LINGER)) goto close;
         continue;
       }
-      c->state = CS_IDLE;
+      conn_enter(c, CS_IDLE);
       c->first_request = false;
       if (!conn_set_deadline(c, TK_IDLE)) goto close;
       if (--budget <= 0) {
@@ -809,7 +956,7 @@ static void conn_drive(conn *c) {
     pd_http_parse_result res = pd_http_parser_feed(c->parser, d, n, &used);
     if (!keep_pending(c, d, n, from_pend, used)) goto close;
     if (c->state == CS_IDLE && pd_http_parser_started(c->parser)) {
-      c->state = CS_HEAD;
+      conn_enter(c, CS_HEAD);
       /* The first request's head deadline runs from accept; later ones from their first byte. */
       if (!c->first_request && !conn_set_deadline(c, TK_HEADER)) goto close;
     }
@@ -817,7 +964,7 @@ static void conn_drive(conn *c) {
       case PD_HTTP_PARSE_MORE:
         break;
       case PD_HTTP_PARSE_HEAD:
-        c->state = CS_BODY;
+        conn_enter(c, CS_BODY);
         if (!conn_set_deadline(c, TK_BODY)) goto close;
         if (pd_http_parser_request(c->parser)->expect_continue && c->pend_len == c->pend_off) {
           static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
@@ -869,22 +1016,26 @@ static void conn_on_event(pd_evloop *loop, int fd, unsigned ev, void *ud) {
   conn_drive(c);
 }
 
-static void peer_string(const struct sockaddr_storage *ss, char *out, size_t cap) {
-  char ip[INET6_ADDRSTRLEN] = "?";
+/* The peer's address alone ("127.0.0.1", "::1": the per-address key) and with its port
+ * ("127.0.0.1:50312", "[::1]:5000": for logs). */
+static void peer_addr(const struct sockaddr_storage *ss, char *ip, size_t ip_cap, char *out,
+                      size_t cap) {
+  snprintf(ip, ip_cap, "?");
   if (ss->ss_family == AF_INET) {
     const struct sockaddr_in *a = (const struct sockaddr_in *)ss;
-    inet_ntop(AF_INET, &a->sin_addr, ip, sizeof ip);
+    inet_ntop(AF_INET, &a->sin_addr, ip, (socklen_t)ip_cap);
     snprintf(out, cap, "%s:%u", ip, (unsigned)ntohs(a->sin_port));
   } else if (ss->ss_family == AF_INET6) {
     const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)ss;
-    inet_ntop(AF_INET6, &a->sin6_addr, ip, sizeof ip);
+    inet_ntop(AF_INET6, &a->sin6_addr, ip, (socklen_t)ip_cap);
     snprintf(out, cap, "[%s]:%u", ip, (unsigned)ntohs(a->sin6_port));
   } else {
+    snprintf(ip, ip_cap, "unix");
     snprintf(out, cap, "unix");
   }
 }
 
-static void conn_new(pd_http_server *s, int fd, const struct sockaddr_storage *ss) {
+static void conn_new(pd_http_server *s, int fd, const char *ip, const char *peer) {
   conn *c = calloc(1, sizeof *c);
   if (!c) {
     close(fd);
@@ -892,13 +1043,14 @@ static void conn_new(pd_http_server *s, int fd, const struct sockaddr_storage *s
   }
   c->srv = s;
   c->fd = fd;
-  c->state = CS_IDLE;
   c->first_request = true;
   c->parser = pd_http_parser_new(&s->cfg.limits, NULL);
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* SSE tokens go out at once */
-  peer_string(ss, c->peer, sizeof c->peer);
-  if (!c->parser || pd_evloop_add_fd(s->loop, fd, PD_EV_READ, conn_on_event, c, NULL) != PD_OK) {
+  snprintf(c->peer, sizeof c->peer, "%s", peer);
+  if (!c->parser || !(c->ip = ip_ref(s, ip)) ||
+      pd_evloop_add_fd(s->loop, fd, PD_EV_READ, conn_on_event, c, NULL) != PD_OK) {
+    if (c->ip) ip_unref(s, c->ip);
     pd_http_parser_free(c->parser);
     free(c);
     close(fd);
@@ -911,7 +1063,50 @@ static void conn_new(pd_http_server *s, int fd, const struct sockaddr_storage *s
   s->nconns++;
   s->st.connections_total++;
   s->st.connections_open = s->nconns;
+  conn_enter(c, CS_IDLE);
   if (!conn_set_deadline(c, TK_HEADER)) conn_close(c);
+}
+
+/* An address over its limit with nothing to give up: a best-effort 503 (one non-blocking send
+ * into an empty socket buffer) and close; no table slot is taken. */
+static void conn_refuse(pd_http_server *s, int fd) {
+  static const char body[] = "{\"error\":{\"message\":\"too many connections from this address\","
+                             "\"type\":\"server_error\",\"param\":null,\"code\":null}}";
+  char resp[512];
+  int n = snprintf(resp, sizeof resp,
+                   "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                   "Content-Length: %zu\r\nConnection: close\r\n\r\n%s",
+                   sizeof body - 1, body);
+  ssize_t w = send(fd, resp, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
+  (void)w;
+  close(fd);
+  s->st.refused++;
+  s->st.responses_error++;
+}
+
+/* Admits an accepted socket, making room first (see the file comment). */
+static void conn_admit(pd_http_server *s, int fd, const struct sockaddr_storage *ss) {
+  char ip[INET6_ADDRSTRLEN], peer[PEER_MAX];
+  peer_addr(ss, ip, sizeof ip, peer, sizeof peer);
+  int per_ip = s->cfg.max_connections_per_ip;
+  peer_ip *pi = per_ip > 0 ? smap_get(&s->ips, ip) : NULL;
+  if (pi && pi->n >= (uint32_t)per_ip) {
+    if (!pi->ev_head) {
+      conn_refuse(s, fd);
+      return;
+    }
+    s->st.evicted++;
+    conn_close(pi->ev_head); /* may free pi */
+  }
+  if (s->nconns >= (size_t)s->cfg.max_connections) {
+    if (!s->ev_head) { /* on_accept checks before accepting: not reached */
+      conn_refuse(s, fd);
+      return;
+    }
+    s->st.evicted++;
+    conn_close(s->ev_head);
+  }
+  conn_new(s, fd, ip, peer);
 }
 
 /* ---- listener ------------------------------------------------------------------------------- */
@@ -922,7 +1117,9 @@ static void listener_pause(pd_http_server *s) {
 }
 
 static void listener_resume(pd_http_server *s) {
-  if (!s->accept_paused || s->accept_timer || s->nconns >= (size_t)s->cfg.max_connections) return;
+  if (!s->accept_paused || s->accept_timer ||
+      (s->nconns >= (size_t)s->cfg.max_connections && !s->ev_head))
+    return;
   if (pd_evloop_mod_fd(s->loop, s->lfd, PD_EV_READ, NULL) == PD_OK) s->accept_paused = false;
 }
 
@@ -935,8 +1132,9 @@ static void on_accept_retry(pd_evloop *loop, uint64_t id, void *ud) {
 static void on_accept(pd_evloop *loop, int fd, unsigned ev, void *ud) {
   pd_http_server *s = ud;
   for (int i = 0; i < ACCEPT_BATCH; i++) {
-    if (s->nconns >= (size_t)s->cfg.max_connections) {
-      /* Leave further clients in the kernel's backlog until a connection closes. */
+    if (s->nconns >= (size_t)s->cfg.max_connections && !s->ev_head) {
+      /* Every connection has a request in progress: leave further clients in the kernel's
+       * backlog until one closes or becomes evictable. */
       listener_pause(s);
       return;
     }
@@ -953,7 +1151,7 @@ static void on_accept(pd_evloop *loop, int fd, unsigned ev, void *ud) {
       }
       return; /* EAGAIN: drained */
     }
-    conn_new(s, cfd, &ss);
+    conn_admit(s, cfd, &ss);
   }
 }
 
@@ -963,7 +1161,8 @@ pd_http_server *pd_http_server_new(pd_evloop *loop, const pd_http_config *cfg, p
     return NULL;
   }
   if (cfg->port < 0 || cfg->port > 65535 || cfg->max_connections < 1 ||
-      cfg->max_output_bytes < 1 || cfg->backlog < 1) {
+      cfg->max_output_bytes < 1 || cfg->backlog < 1 || cfg->max_connections_per_ip < 0 ||
+      cfg->busy_percent < 1 || cfg->busy_percent > 100) {
     pd_err_set(e, PD_EINVAL, "http: bad config (port %d, max_connections %d, backlog %d)",
                cfg->port, cfg->max_connections, cfg->backlog);
     return NULL;
@@ -980,6 +1179,7 @@ pd_http_server *pd_http_server_new(pd_evloop *loop, const pd_http_config *cfg, p
   s->loop = loop;
   s->cfg = *cfg;
   s->lfd = -1;
+  smap_init(&s->ips);
   s->host = strdup(cfg->host ? cfg->host : "0.0.0.0");
   if (!s->host) {
     pd_err_set(e, PD_ENOMEM, "http: out of memory");
@@ -1044,10 +1244,12 @@ void pd_http_server_free(pd_http_server *s) {
   close(s->lfd);
   if (s->accept_timer) pd_evloop_timer_cancel(s->loop, s->accept_timer);
   if (s->kick_timer) pd_evloop_timer_cancel(s->loop, s->kick_timer);
-  s->kick_timer = 0;
+  if (s->busy_timer) pd_evloop_timer_cancel(s->loop, s->busy_timer);
+  s->kick_timer = s->busy_timer = 0;
   /* Cancel callbacks may answer other requests meanwhile: their kicks are not scheduled
    * (freeing) and their connections are closed in turn. */
   while (s->conns) conn_close(s->conns);
+  smap_free(&s->ips); /* empty by now */
   free(s->host);
   free(s);
 }

@@ -78,7 +78,18 @@ typedef struct pd_http_config {
   const char *host;     /* bind address: "127.0.0.1", "0.0.0.0", "::", or a name */
   int port;             /* 0 = ephemeral (see pd_http_server_port) */
   int backlog;          /* listen(2) backlog */
-  int max_connections;  /* open client connections; at the limit accepting pauses */
+  int max_connections;  /* open client connections. At the limit a new connection takes the
+                           place of the oldest one without a request in progress (idle between
+                           requests, or still sending its head: "evictable"); with none, accepting
+                           pauses until one closes or becomes evictable */
+  int max_connections_per_ip; /* open connections of one peer address; 0 = no limit. A new one
+                           over it takes the place of that address's oldest evictable one, or is
+                           refused (503, closed) when it has none */
+  int busy_percent;           /* the table is "busy" above this share of max_connections (until
+                                 it is back at half of it) ... */
+  uint32_t busy_timeout_ms;   /* ... and then an evictable connection is closed (408 when its
+                                 head was arriving) once it has waited this long for a request;
+                                 0 = off */
   pd_http_limits limits;
   size_t max_output_bytes;    /* unsent bytes a stream may queue for a slow reader before the
                                  connection is dropped (and the request cancelled) */
@@ -92,9 +103,10 @@ typedef struct pd_http_config {
   void *ud;                      /* passed to on_request */
 } pd_http_config;
 
-/* Defaults: host 0.0.0.0, port 8000, backlog 511, max_connections 4096, head 16 KiB,
- * 100 headers, body 8 MiB, output 4 MiB, timeouts header 30 s, body 60 s, idle 60 s,
- * send 60 s, linger 2 s; on_request NULL (must be set). */
+/* Defaults: host 0.0.0.0, port 8000, backlog 511, max_connections 4096, per address 1024,
+ * busy above 75 % with a 2 s header/idle timeout, head 16 KiB, 100 headers, body 8 MiB, output
+ * 4 MiB, timeouts header 30 s, body 60 s, idle 60 s, send 60 s, linger 2 s; on_request NULL
+ * (must be set). */
 void pd_http_config_default(pd_http_config *c);
 
 /* Binds and listens (SO_REUSEADDR, non-blocking, close-on-exec) and starts accepting on loop.
@@ -115,7 +127,11 @@ typedef struct pd_http_stats {
   uint64_t connections_total;  /* accepted */
   uint64_t requests_total;     /* dispatched to on_request */
   uint64_t responses_error;    /* 4xx/5xx answered by the server itself (parse errors, 408) */
-  uint64_t timeouts;           /* connections closed by a header/body/send timeout */
+  uint64_t timeouts;           /* connections closed by a header/body/send timeout (the busy
+                                  table's shorter one included) */
+  uint64_t evicted;            /* evictable connections closed to admit a new one */
+  uint64_t refused;            /* new connections refused: their address was over its limit
+                                  with nothing evictable */
   uint64_t dropped_slow;       /* connections dropped over max_output_bytes */
   uint64_t cancelled;          /* requests whose cancel callback ran */
 } pd_http_stats;

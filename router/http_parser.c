@@ -6,6 +6,7 @@
  * The head is collected into one buffer (at most max_head_bytes) and parsed in place once its
  * blank line has arrived; the body is copied into a buffer sized from Content-Length, or grown
  * while de-chunking, never beyond max_body_bytes. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -51,6 +52,7 @@ struct pd_http_parser {
   pd_http_request req;
   int err_status;
   const char *err_msg;
+  char err_buf[96]; /* a message that names a limit */
 };
 
 bool pdh_is_tchar(unsigned char c) {
@@ -73,6 +75,13 @@ static pd_http_parse_result fail(pd_http_parser *p, int status, const char *msg)
   p->err_status = status;
   p->err_msg = msg;
   return PD_HTTP_PARSE_ERROR;
+}
+
+/* 413, naming the limit so that a client knows what it may send. */
+static pd_http_parse_result fail_body(pd_http_parser *p) {
+  snprintf(p->err_buf, sizeof p->err_buf, "request body too large: the limit is %zu bytes",
+           p->lim.max_body_bytes);
+  return fail(p, 413, p->err_buf);
 }
 
 pd_http_parser *pd_http_parser_new(const pd_http_limits *lim, pd_err *e) {
@@ -337,7 +346,7 @@ static pd_http_parse_result parse_head(pd_http_parser *p) {
     return fail(p, 400, "HTTP/1.1 requires exactly one Host header");
   if (te_seen && te.count > 1) return fail(p, 501, "unsupported transfer coding");
   if (expect_other) return fail(p, 417, "unsupported expectation");
-  if (cl_seen && cl > p->lim.max_body_bytes) return fail(p, 413, "request body too large");
+  if (cl_seen && cl > p->lim.max_body_bytes) return fail_body(p);
 
   /* Target forms: origin ("/p?q"), asterisk ("*", OPTIONS only), absolute ("http://h/p?q"). */
   const char *t = target;
@@ -527,7 +536,7 @@ pd_http_parse_result pd_http_parser_feed(pd_http_parser *p, const void *data, si
             p->hex_digits++;
             if (p->body_len + p->chunk_size > p->lim.max_body_bytes) {
               *consumed = i;
-              return fail(p, 413, "request body too large");
+              return fail_body(p);
             }
           } else if (p->hex_digits > 0 && c == ';') {
             p->sub = CL_EXT;

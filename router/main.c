@@ -199,7 +199,11 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
   o->max_n = 16;
   o->default_max_tokens = 16;
   o->max_body_mb = 8;
+  o->max_prompt_mb = 4;
+  o->tokenizer_threads = 4;
   o->max_connections = 4096;
+  o->max_connections_per_ip = 1024;
+  o->busy_timeout_ms = 2000;
   o->request_timeout_s = 600;
   o->kv_ttl_ms = 30000;
   o->heartbeat_interval_ms = 500;
@@ -224,8 +228,17 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
       {"max-model-len", PD_OPT_INT, &o->max_model_len, "N",
        "context length (default: the model's, capped by the nodes')", NULL},
       {"max-body-mb", PD_OPT_INT, &o->max_body_mb, "MB", "largest request body (8)", NULL},
-      {"max-connections", PD_OPT_INT, &o->max_connections, "N", "open HTTP connections (4096)",
-       NULL},
+      {"max-prompt-mb", PD_OPT_INT, &o->max_prompt_mb, "MB",
+       "largest prompt text (or chat messages) per request, refused before tokenizing (4)", NULL},
+      {"tokenizer-threads", PD_OPT_INT, &o->tokenizer_threads, "N",
+       "threads that tokenize prompts and render chat templates off the event loop (4)", NULL},
+      {"max-connections", PD_OPT_INT, &o->max_connections, "N", "open HTTP connections; when "
+       "full, a new one takes the place of the oldest idle one (4096)", NULL},
+      {"max-connections-per-ip", PD_OPT_INT, &o->max_connections_per_ip, "N",
+       "open HTTP connections of one client address; 0 = no limit (1024)", NULL},
+      {"busy-timeout-ms", PD_OPT_INT, &o->busy_timeout_ms, "MS",
+       "header and keep-alive idle timeout while over 75% of --max-connections are open; 0 = "
+       "off (2000)", NULL},
       {"request-timeout", PD_OPT_INT, &o->request_timeout_s, "S",
        "whole-request deadline in seconds (600)", NULL},
       {"kv-ttl-ms", PD_OPT_INT, &o->kv_ttl_ms, "MS",
@@ -262,10 +275,12 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
     bad = "ports must be in [0, 65535] (--client-port -1 = off)";
   else if (o->max_queue < 1 || o->max_n < 1 || o->max_n > PD_SAMPLE_MAX_N ||
            o->default_max_tokens < 1 || o->max_body_mb < 1 || o->max_connections < 1 ||
+           o->max_prompt_mb < 1 || o->tokenizer_threads < 1 || o->tokenizer_threads > 64 ||
+           o->max_connections_per_ip < 0 || o->busy_timeout_ms < 0 ||
            o->request_timeout_s < 1 || o->kv_ttl_ms < 100 || o->heartbeat_interval_ms < 10 ||
            o->heartbeat_timeout_ms < 2 * o->heartbeat_interval_ms || o->max_model_len < 0)
     bad = "a limit is out of range (see --help; --heartbeat-timeout-ms must be at least twice "
-          "the interval, --max-n at most 128)";
+          "the interval, --max-n at most 128, --tokenizer-threads 1 to 64)";
   if (bad) {
     fprintf(stderr, "pd-router: %s\n", bad);
     return 1;
@@ -378,11 +393,17 @@ int main(int argc, char **argv) {
     pd_log(PD_LOG_ERROR, "client port: %s", e.msg);
     goto out;
   }
+  if (!(r->pool = pd_workpool_new(r->loop, r->o.tokenizer_threads, &e))) {
+    pd_log(PD_LOG_ERROR, "%s", e.msg);
+    goto out;
+  }
   pd_http_config hc;
   pd_http_config_default(&hc);
   hc.host = r->o.host;
   hc.port = r->o.port;
   hc.max_connections = r->o.max_connections;
+  hc.max_connections_per_ip = r->o.max_connections_per_ip;
+  hc.busy_timeout_ms = (uint32_t)r->o.busy_timeout_ms;
   hc.limits.max_body_bytes = (size_t)r->o.max_body_mb << 20;
   hc.on_request = api_http_handler;
   hc.ud = r;
@@ -412,6 +433,9 @@ int main(int argc, char **argv) {
 out:
   for (rreq *q = r->all; q; q = q->next_all)
     if (!q->finished) api_cancel(r, q);
+  router_gc(r); /* detaches the jobs of the requests it frees */
+  pd_workpool_free(r->pool); /* waits for running jobs; their results are dropped */
+  r->pool = NULL;
   router_gc(r);
   if (r->http) pd_http_server_free(r->http);
   router_gc(r);

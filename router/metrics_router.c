@@ -10,12 +10,16 @@ static void collect(pd_metrics *m, void *ud) {
   pd_metric_set(r->m.queue_len, route_queue_length(r));
   pd_metric_set(r->m.running, route_active_subs(r) - route_queue_length(r));
   pd_metric_set(r->m.live, r->n_live);
+  pd_metric_set(r->m.preparing, api_prep_in_flight(r));
   pd_metric_set(r->m.nodes_prefill, registry_count(r, PD__ROLE__ROLE_PREFILL, true));
   pd_metric_set(r->m.nodes_decode, registry_count(r, PD__ROLE__ROLE_DECODE, true));
   if (r->http) {
     pd_http_stats st;
     pd_http_server_stats(r->http, &st);
     pd_metric_set(r->m.http_conns, (double)st.connections_open);
+    /* counters kept by the server: bring ours up to them */
+    pd_metric_add(r->m.http_evicted, (double)st.evicted - pd_metric_value(r->m.http_evicted));
+    pd_metric_add(r->m.http_refused, (double)st.refused - pd_metric_value(r->m.http_refused));
   }
 }
 
@@ -41,6 +45,10 @@ void rmetrics_init(router *r) {
                                "Requests the router holds (admitted, answering, or ended and "
                                "not yet freed).",
                                NULL);
+  r->m.preparing = pd_metrics_gauge(m, "pd_router_requests_tokenizing",
+                                    "Requests whose prompts are being tokenized (or their chat "
+                                    "template rendered) in the worker pool, queued or running.",
+                                    NULL);
   r->m.gen_tokens = pd_metrics_counter(m, "pd_router_generation_tokens_total",
                                        "Output tokens received from nodes.", NULL);
   r->m.prompt_tokens = pd_metrics_counter(m, "pd_router_prompt_tokens_total",
@@ -60,6 +68,15 @@ void rmetrics_init(router *r) {
                                        "role=\"decode\"");
   r->m.http_conns = pd_metrics_gauge(m, "pd_router_http_connections", "Open HTTP connections.",
                                      NULL);
+  r->m.http_evicted = pd_metrics_counter(m, "pd_router_http_connections_evicted_total",
+                                         "Idle HTTP connections (or ones still sending their "
+                                         "head) closed to admit a new one: the table or the "
+                                         "client address was full.",
+                                         NULL);
+  r->m.http_refused = pd_metrics_counter(m, "pd_router_http_connections_refused_total",
+                                         "New HTTP connections refused (503): their address was "
+                                         "at --max-connections-per-ip with none idle.",
+                                         NULL);
   /* the usual series exist from the start, so rates work before the first event */
   static const char *apis[] = {"completions", "chat", "generate", "zmq"};
   for (int i = 0; i < 4; i++) {

@@ -4,13 +4,15 @@
  *   registry.c     nodes: Register / Heartbeat / Deregister, liveness, load, node choice
  *   route.c        one choice's path through the cluster: queue, Reserve, Prefill, FirstToken,
  *                  TokenStream, failures (retry, migration), deadlines
- *   route_map.c    string -> pointer hash map (wire request ids)
  *   api.c          HTTP: OpenAI completions and chat, /generate, /v1/models, /health, /metrics
+ *   api_prep.c     tokenization and chat templates of new requests, in the worker pool
  *   api_text.c     output text: incremental detokenization, stop strings, logprobs JSON
  *   api_zmq.c      the ZeroMQ client API (GenerateRequest in, GenerateChunk out)
  *   metrics_router.c  the router's Prometheus series
  *
- * Everything runs on the one event-loop thread: no locks. Objects are freed only at "safe
+ * Everything runs on the one event-loop thread: no locks. The one exception is the worker pool
+ * (r->pool), which tokenizes prompts and renders chat templates of new requests on other
+ * threads; a job there touches only what it owns (api_prep.c). Objects are freed only at "safe
  * points" (router_gc at the end of each top-level callback), so a callback that finishes a
  * request can never pull it out from under the code that called it. */
 #ifndef PD_ROUTER_H
@@ -29,11 +31,14 @@
 #include "pd/oai.h"
 #include "pd/tokenizer.h"
 #include "pd/wire.h"
+#include "smap.h"
+#include "workpool.h"
 
 typedef struct router router;
 typedef struct rnode rnode;
 typedef struct rreq rreq;
 typedef struct rsub rsub;
+typedef struct api_prep api_prep;
 
 /* ---- options ---- */
 
@@ -42,27 +47,10 @@ typedef struct router_opts {
   const char *curve_secret_file, *curve_secret_key, *curve_allow_file;
   int port, cluster_port, client_port;
   int max_queue, max_n, default_max_tokens, max_body_mb, max_connections, max_model_len;
+  int max_connections_per_ip, busy_timeout_ms, max_prompt_mb, tokenizer_threads;
   int request_timeout_s, kv_ttl_ms, heartbeat_interval_ms, heartbeat_timeout_ms;
   bool verbose, help;
 } router_opts;
-
-/* ---- string map (route_map.c) ---- */
-
-typedef struct smap_entry {
-  char *key; /* NULL: empty; (char *)1: deleted */
-  void *val;
-} smap_entry;
-
-typedef struct smap {
-  smap_entry *v;
-  size_t cap, n, used; /* used counts deleted slots too */
-} smap;
-
-void smap_init(smap *m);
-void smap_free(smap *m);
-bool smap_put(smap *m, const char *key, void *val); /* false on allocation failure */
-void *smap_get(const smap *m, const char *key);
-void smap_del(smap *m, const char *key);
 
 /* ---- nodes (registry.c) ---- */
 
@@ -234,6 +222,8 @@ struct rreq {
   uint8_t zrid[PD_NET_ROUTING_ID_MAX];
   size_t zrid_len;
   char client_id[PD_WIRE_ID_MAX_BYTES + 1];
+  uint32_t timeout_ms; /* ZeroMQ: the client's deadline (0: --request-timeout) */
+  api_prep *prep;      /* its prompts are being made in the worker pool (api_prep.c) */
   /* lifecycle */
   bool cancelled, finished, retired;
   rreq *next_all, *prev_all;
@@ -260,6 +250,45 @@ char *token_str(router *r, int32_t id); /* malloc'ed */
  * top_logprobs, text_offset}; chat: {content: [...]}) appended to acc (created when NULL). */
 cJSON *lp_append(router *r, rreq *q, cJSON *acc, const pd_logprobs *lps, int n, size_t offset0);
 
+/* api_prep.c: preparing prompts off the loop.
+ * Tokenizing costs about 0.2 s per MB of prompt and rendering a chat template about as much, so
+ * both run in the worker pool: the loop parses and validates a request (cheap), collects its
+ * prompt texts, token ids or chat messages into an api_prep and submits it; a worker builds the
+ * prompts; back on the loop done() continues the request. The job reads only what it owns (the
+ * parsed JSON body, or copies) and writes only its own output: the worker never touches a
+ * request. The request keeps its HTTP hold meanwhile, so a client that goes away cancels it as
+ * usual; freeing a request whose job is out detaches the job (api_prep_detach, from
+ * api_req_free), whose result is then dropped when it comes back: the request is freed once, by
+ * router_gc, and the job once, by its own completion. */
+/* When the prompts are back (and q neither finished nor freed meanwhile), the request goes on:
+ * the context check (api_req_prepare), admission (api_req_admit), then route_submit. A request
+ * that cannot go on (its prompts could not be made, 400 / 500 / 503 at shutdown; or prepare or
+ * admit refused it) is handed to refuse, which answers the client (msg, an OpenAI error code or
+ * NULL) and retires it. */
+typedef void (*api_refuse_fn)(router *r, rreq *q, int status, const char *msg, const char *code);
+api_prep *api_prep_new(router *r, rreq *q, api_refuse_fn refuse); /* NULL: out of memory */
+void api_prep_free(api_prep *p); /* a job never submitted */
+/* What the job reads must live as long as the job: the parsed body (taken over), blocks it
+ * adopts (malloc'ed; freed at once on failure) or copies it keeps. */
+void api_prep_own_json(api_prep *p, cJSON *json);
+bool api_prep_adopt(api_prep *p, void *mem);
+const char *api_prep_keep(api_prep *p, const char *s, size_t n); /* NULL: out of memory */
+/* Inputs, in prompt order: a text to tokenize, or token ids (taken over); false: no memory. */
+bool api_prep_text(api_prep *p, const char *text, size_t len, bool add_special);
+bool api_prep_ids(api_prep *p, int32_t *ids, int n);
+/* Or chat messages (array taken over) for the chat template: 0, or 400 with msg when the model
+ * has none. */
+int api_prep_chat(api_prep *p, pd_chat_msg *msgs, int n, bool add_gen, bool cont, char *msg,
+                  size_t cap);
+/* Submits p (always consumed). 0: the request goes on from the pool, or before this returns
+ * when there is nothing to tokenize (the caller must not touch q after 0). Otherwise an HTTP
+ * status with msg and *code for the caller to refuse the request with: 400 when the prompt text
+ * (or the roles and contents of the messages) is over --max-prompt-mb, checked before any
+ * tokenizing; 429 when --max-queue jobs are already waiting for the pool. */
+int api_prep_submit(api_prep *p, char *msg, size_t cap, const char **code);
+void api_prep_detach(rreq *q);
+int api_prep_in_flight(router *r); /* jobs in the pool */
+
 /* api.c */
 void api_http_handler(pd_http_req *req, const pd_http_request *msg, void *ud);
 void api_req_free(router *r, rreq *q);
@@ -274,8 +303,12 @@ rreq *api_req_new(router *r, api_kind kind);
 int api_http_status(Pd__ErrorCode c);
 const char *api_error_code_str(Pd__ErrorCode c);
 /* Builds prompts/params shared by HTTP and ZMQ: checks context, fills seed, wire params,
- * subs. Returns 0 or an HTTP status with msg set. */
+ * subs, deadline (q->timeout_ms, else --request-timeout). Returns 0 or an HTTP status with msg
+ * set. */
 int api_req_prepare(router *r, rreq *q, char *msg, size_t cap, const char **code);
+/* Refuses a new request with 429 / 503 when the queue is full or no node can take it: 0 or the
+ * status with msg. */
+int api_req_admit(router *r, rreq *q, char *msg, size_t cap);
 /* Output side for HTTP requests (api.c) and ZMQ requests (api_zmq.c). */
 void api_http_tokens(router *r, rsub *s, size_t off, size_t len, const pd_logprobs *lps, int n);
 void api_http_sub_done(router *r, rsub *s);
@@ -294,7 +327,8 @@ void zapi_forget(router *r, rreq *q); /* drops q from the client-id map */
 typedef struct router_metrics {
   pd_metrics *reg;
   pd_metric *ttft, *itl, *e2e, *queue_len, *running, *gen_tokens, *prompt_tokens, *migrations,
-      *retries, *nodes_prefill, *nodes_decode, *http_conns, *cached_tokens, *live;
+      *retries, *nodes_prefill, *nodes_decode, *http_conns, *cached_tokens, *live, *preparing,
+      *http_evicted, *http_refused;
 } router_metrics;
 
 void rmetrics_init(router *r);
@@ -311,6 +345,7 @@ struct router {
   int vocab_size, max_model_len;
   pd_evloop *loop;
   pd_http_server *http;
+  pd_workpool *pool; /* tokenization and chat templates (api_prep.c) */
   void *zctx;
   pd_curve_auth *auth;
   pd_curve_keypair keys;

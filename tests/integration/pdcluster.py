@@ -53,6 +53,18 @@ def args():
     return ap.parse_args()
 
 
+def sanitized(build):
+    """Whether the build folder was configured with PD_SANITIZE (timing bounds scale up)."""
+    try:
+        with open(os.path.join(build, "CMakeCache.txt")) as f:
+            for line in f:
+                if line.startswith("PD_SANITIZE:"):
+                    return bool(line.split("=", 1)[1].strip())
+    except OSError:
+        pass
+    return False
+
+
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -6,7 +6,12 @@
  * another thread, an SSE stream read while it is produced, a client leaving mid-stream (cancel
  * callback), a slow reader dropped at the output cap while another client is served, 200
  * concurrent connections, max_connections, a late answer after a disconnect (safe no-op), and
- * server free with a request still held, clients vanishing under a large response. The test
+ * server free with a request still held, clients vanishing under a large response. A full
+ * table: idle connections and one sending its head are evicted oldest first to admit new ones,
+ * connections with a request in progress never are (the newcomer waits in the backlog until one
+ * becomes idle); max_connections_per_ip evicts an address's own oldest idle connection or refuses
+ * with 503, other addresses unaffected; above busy_percent the busy timeout closes idle
+ * connections (408 for a head on its way) and stops once the table is below it again. The test
  * keeps SIGPIPE at its default action, so a server send that raised it would kill the test. */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -220,6 +225,33 @@ static void start_async(pd_evloop *loop, pd_http_req *req, int delay_ms, bool la
   pthread_detach(th);
 }
 
+/* /park: held until the test answers it (unpark) or the client leaves; loop thread only. */
+static pd_http_req *g_parked[16];
+static int g_n_parked;
+
+static void on_park_cancel(pd_http_req *req, void *ud) {
+  for (int i = 0; i < g_n_parked; i++)
+    if (g_parked[i] == req) {
+      memmove(&g_parked[i], &g_parked[i + 1], (size_t)(g_n_parked - i - 1) * sizeof *g_parked);
+      g_n_parked--;
+      pd_http_req_unref(req);
+      return;
+    }
+}
+
+static void on_unpark(pd_evloop *l, void *ud) {
+  atomic_int *done = ud;
+  if (g_n_parked > 0) {
+    pd_http_req *req = g_parked[0];
+    memmove(&g_parked[0], &g_parked[1], (size_t)(g_n_parked - 1) * sizeof *g_parked);
+    g_n_parked--;
+    pd_http_req_on_cancel(req, NULL, NULL);
+    CHECK(pd_http_respond(req, 200, "text/plain", NULL, 0, "parked", 6, NULL) == PD_OK);
+    pd_http_req_unref(req);
+  }
+  atomic_store(done, 1);
+}
+
 static pd_http_req *g_held; /* /hold: kept until server free cancels it */
 static void on_hold_cancel(pd_http_req *req, void *ud) {
   atomic_store(&g_hold_cancelled, 1);
@@ -278,6 +310,10 @@ static void handler(pd_http_req *req, const pd_http_request *m, void *ud) {
     memset(b, 'b', n);
     CHECK(pd_http_respond(req, 200, "application/octet-stream", NULL, 0, b, n, &e) == PD_OK);
     free(b);
+  } else if (strcmp(m->path, "/park") == 0) {
+    REQUIRE(g_n_parked < 16);
+    g_parked[g_n_parked++] = pd_http_req_ref(req);
+    CHECK(pd_http_req_on_cancel(req, on_park_cancel, NULL) == PD_OK);
   } else if (strcmp(m->path, "/hold") == 0) {
     g_held = pd_http_req_ref(req);
     CHECK(pd_http_req_on_cancel(req, on_hold_cancel, NULL) == PD_OK);
@@ -288,19 +324,25 @@ static void handler(pd_http_req *req, const pd_http_request *m, void *ud) {
 
 /* ---- client side ---- */
 
-static int cli_connect_opt(int port, int rcvbuf) {
+/* A client socket (from source address src when not NULL). */
+static int cli_connect_from(int port, int rcvbuf, const char *src) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   REQUIRE(fd >= 0);
   struct timeval tv = {.tv_sec = 5};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   if (rcvbuf > 0) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
+  if (src) {
+    struct sockaddr_in b = {.sin_family = AF_INET};
+    REQUIRE(inet_pton(AF_INET, src, &b.sin_addr) == 1);
+    REQUIRE(bind(fd, (struct sockaddr *)&b, sizeof b) == 0);
+  }
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   REQUIRE(connect(fd, (struct sockaddr *)&a, sizeof a) == 0);
   return fd;
 }
-static int cli_connect(int port) { return cli_connect_opt(port, 0); }
+static int cli_connect_opt(int port, int rcvbuf) { return cli_connect_from(port, rcvbuf, NULL); }
 
 static bool cli_send(int fd, const void *d, size_t n) {
   const char *p = d;
@@ -462,11 +504,37 @@ static bool cli_closed(cli *c) {
   return c->eof && c->len == 0;
 }
 
-static cli *cli_new(int port) {
+static cli *cli_new_from(int port, const char *src) {
   cli *c = calloc(1, sizeof *c);
   REQUIRE(c);
-  c->fd = cli_connect(port);
+  c->fd = cli_connect_from(port, 0, src);
   return c;
+}
+static cli *cli_new(int port) { return cli_new_from(port, NULL); }
+
+/* True when the server dropped the connection (EOF or reset) within ms, nothing read. */
+static bool cli_gone(cli *c, int ms) {
+  struct pollfd pf = {.fd = c->fd, .events = POLLIN};
+  if (poll(&pf, 1, ms) <= 0) return false;
+  char b[256];
+  ssize_t n = recv(c->fd, b, sizeof b, MSG_DONTWAIT);
+  return n == 0 || (n < 0 && (errno == ECONNRESET || errno == EPIPE));
+}
+
+/* True while the connection stays open and silent for ms. */
+static bool cli_quiet(cli *c, int ms) {
+  struct pollfd pf = {.fd = c->fd, .events = POLLIN};
+  return poll(&pf, 1, ms) == 0;
+}
+
+/* Whether src can be bound (another loopback address for per-address tests). */
+static bool can_bind(const char *src) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in b = {.sin_family = AF_INET};
+  inet_pton(AF_INET, src, &b.sin_addr);
+  bool ok = fd >= 0 && bind(fd, (struct sockaddr *)&b, sizeof b) == 0;
+  if (fd >= 0) close(fd);
+  return ok;
 }
 static void cli_free(cli *c) {
   close(c->fd);
@@ -927,30 +995,218 @@ static void test_many_connections(tsrv *t) {
   for (int i = 0; i < N; i++) cli_free(cs[i]);
 }
 
+/* Answers the oldest /park request from the loop and waits for it. */
+static void unpark(tsrv *t) {
+  atomic_int done;
+  atomic_init(&done, 0);
+  REQUIRE(pd_evloop_post(t->loop, on_unpark, &done, NULL) == PD_OK);
+  CHECK(wait_flag(&done, 5000));
+}
+
+/* Waits until the server has n connections open. */
+static bool wait_open(tsrv *t, uint64_t n) {
+  for (int i = 0; i < 500; i++) {
+    if (srv_stats(t).connections_open == n) return true;
+    usleep(2000);
+  }
+  return false;
+}
+
 static void test_max_connections(void) {
   pd_http_config cfg;
   srv_config(&cfg);
   cfg.max_connections = 2;
   tsrv t;
   srv_start(&t, &cfg);
+  /* Two connections with a request in progress are not evictable ... */
   cli *a = cli_new(t.port), *b = cli_new(t.port);
-  resp r;
-  CHECK(cli_sends(a->fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") && cli_response(a, &r) && r.status == 200);
-  resp_free(&r);
-  CHECK(cli_sends(b->fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") && cli_response(b, &r) && r.status == 200);
-  resp_free(&r);
-  /* The third connects (kernel backlog) but is not served while two are open. */
+  CHECK(cli_sends(a->fd, "GET /park HTTP/1.1\r\nHost: x\r\n\r\n"));
+  CHECK(cli_sends(b->fd, "GET /park HTTP/1.1\r\nHost: x\r\n\r\n"));
+  CHECK(wait_open(&t, 2));
+  /* ... so a third connects (kernel backlog) but is not served while they are busy. */
   cli *c = cli_new(t.port);
   CHECK(cli_sends(c->fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n"));
-  struct pollfd pf = {.fd = c->fd, .events = POLLIN};
-  CHECK(poll(&pf, 1, 300) == 0);
-  cli_free(a);
+  CHECK(cli_quiet(c, 300));
+  /* a's answer makes it idle: the newcomer takes its place at once. */
+  unpark(&t);
+  resp r;
+  CHECK(cli_response(a, &r) && r.status == 200);
+  resp_free(&r);
   CHECK(cli_response(c, &r) && r.status == 200); /* accepted once a slot frees */
   resp_free(&r);
+  CHECK(cli_gone(a, 3000)); /* the idle one made room */
   pd_http_stats st = srv_stats(&t);
   CHECK(st.connections_open <= 2);
+  CHECK(st.evicted == 1 && st.refused == 0);
+  unpark(&t);
+  CHECK(cli_response(b, &r) && r.status == 200);
+  resp_free(&r);
+  cli_free(a);
   cli_free(b);
   cli_free(c);
+  srv_stop(&t);
+}
+
+/* A full table of idle connections and one sending its head: each newcomer evicts the oldest. */
+static void test_eviction(void) {
+  pd_http_config cfg;
+  srv_config(&cfg);
+  cfg.max_connections = 3;
+  cfg.busy_timeout_ms = 0; /* only eviction here */
+  tsrv t;
+  srv_start(&t, &cfg);
+  cli *idle[3];
+  for (int i = 0; i < 3; i++) {
+    idle[i] = cli_new(t.port);
+    CHECK(wait_open(&t, (uint64_t)i + 1)); /* accepted in this order: oldest first */
+  }
+  cli *d = cli_new(t.port);
+  uint64_t t0 = now_ms();
+  resp r;
+  CHECK(cli_sends(d->fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n"));
+  CHECK(cli_response(d, &r) && r.status == 200);
+  resp_free(&r);
+  CHECKF(now_ms() - t0 < 1000, "the newcomer waited %llu ms", (unsigned long long)(now_ms() - t0));
+  CHECK(cli_gone(idle[0], 3000));
+  CHECK(cli_quiet(idle[1], 50) && cli_quiet(idle[2], 50));
+  /* A head on its way is evictable too: slow sends it after idle[1], idle[2] and d (idle after
+   * its response), so three more newcomers evict those and the fourth evicts slow. */
+  cli *slow = cli_new(t.port); /* evicts idle[1] */
+  CHECK(cli_sends(slow->fd, "GET /hello HTTP/1.1\r\nHost: x\r\n"));
+  CHECK(cli_gone(idle[1], 3000));
+  cli *more[3];
+  for (int i = 0; i < 3; i++) {
+    more[i] = cli_new(t.port);
+    CHECK(cli_sends(more[i]->fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n"));
+    CHECK(cli_response(more[i], &r) && r.status == 200);
+    resp_free(&r);
+  }
+  CHECK(cli_gone(idle[2], 3000));
+  CHECK(cli_gone(d, 3000));
+  CHECK(cli_gone(slow, 3000));
+  pd_http_stats st = srv_stats(&t);
+  CHECKF(st.evicted == 5, "evicted %llu", (unsigned long long)st.evicted);
+  CHECK(st.connections_open == 3 && st.refused == 0);
+  for (int i = 0; i < 3; i++) cli_free(idle[i]);
+  for (int i = 0; i < 3; i++) cli_free(more[i]);
+  cli_free(d);
+  cli_free(slow);
+  srv_stop(&t);
+}
+
+static void test_per_ip_limit(void) {
+  const char *src = can_bind("127.0.0.2") ? "127.0.0.2" : NULL;
+  if (!src) printf("  per-address limit: 127.0.0.2 cannot be bound; one address only\n");
+  pd_http_config cfg;
+  srv_config(&cfg);
+  cfg.max_connections = 10;
+  cfg.max_connections_per_ip = 2;
+  cfg.busy_timeout_ms = 0;
+  tsrv t;
+  srv_start(&t, &cfg);
+  resp r;
+  cli *x1 = cli_new_from(t.port, src), *x2 = cli_new_from(t.port, src);
+  CHECK(wait_open(&t, 2));
+  /* a third from the same address takes the place of its own oldest idle one */
+  cli *x3 = cli_new_from(t.port, src);
+  CHECK(cli_sends(x3->fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n"));
+  CHECK(cli_response(x3, &r) && r.status == 200);
+  resp_free(&r);
+  CHECK(cli_gone(x1, 3000));
+  /* with both busy, a fourth is refused */
+  CHECK(cli_sends(x2->fd, "GET /park HTTP/1.1\r\nHost: x\r\n\r\n"));
+  CHECK(cli_sends(x3->fd, "GET /park HTTP/1.1\r\nHost: x\r\n\r\n"));
+  for (int i = 0; i < 500 && srv_stats(&t).requests_total < 3; i++) usleep(2000);
+  usleep(20 * 1000);
+  cli *x4 = cli_new_from(t.port, src);
+  CHECK(cli_response(x4, &r) && r.status == 503 && r.close && r.body &&
+        strstr(r.body, "too many connections"));
+  resp_free(&r);
+  CHECK(cli_closed(x4));
+  if (src) { /* another address is not affected */
+    cli *y = cli_new(t.port);
+    CHECK(cli_sends(y->fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n"));
+    CHECK(cli_response(y, &r) && r.status == 200);
+    resp_free(&r);
+    cli_free(y);
+  }
+  pd_http_stats st = srv_stats(&t);
+  CHECKF(st.refused == 1 && st.evicted == 1, "refused %llu evicted %llu",
+         (unsigned long long)st.refused, (unsigned long long)st.evicted);
+  unpark(&t);
+  unpark(&t);
+  CHECK(cli_response(x2, &r) && r.status == 200);
+  resp_free(&r);
+  CHECK(cli_response(x3, &r) && r.status == 200);
+  resp_free(&r);
+  cli_free(x1);
+  cli_free(x2);
+  cli_free(x3);
+  cli_free(x4);
+  srv_stop(&t);
+}
+
+static void test_busy_timeout(void) {
+  pd_http_config cfg;
+  srv_config(&cfg);
+  cfg.max_connections = 8; /* busy above 75 %: from the 7th connection */
+  cfg.busy_percent = 75;
+  cfg.busy_timeout_ms = 200;
+  tsrv t;
+  srv_start(&t, &cfg);
+  /* Below the mark idle connections keep the ordinary (30 s) header timeout. */
+  cli *a[4];
+  for (int i = 0; i < 4; i++) a[i] = cli_new(t.port);
+  CHECK(wait_open(&t, 4));
+  usleep(400 * 1000);
+  for (int i = 0; i < 4; i++) CHECK(cli_quiet(a[i], 0));
+  /* Three more make the table busy: the four, idle for 400 ms, go at once (oldest first); that
+   * leaves three, half the mark, which ends the busy spell, so the three stay. */
+  cli *b[3];
+  for (int i = 0; i < 3; i++) b[i] = cli_new(t.port);
+  uint64_t t0 = now_ms();
+  for (int i = 0; i < 4; i++) CHECK(cli_gone(a[i], 3000));
+  CHECKF(now_ms() - t0 < 1000, "the busy timeout took %llu ms", (unsigned long long)(now_ms() - t0));
+  usleep(400 * 1000);
+  for (int i = 0; i < 3; i++) CHECK(cli_quiet(b[i], 0));
+  /* A real request is served meanwhile. */
+  cli *q = cli_new(t.port);
+  resp r;
+  CHECK(cli_sends(q->fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n"));
+  CHECK(cli_response(q, &r) && r.status == 200);
+  resp_free(&r);
+  pd_http_stats st = srv_stats(&t);
+  CHECKF(st.timeouts == 4, "timeouts %llu", (unsigned long long)st.timeouts);
+  CHECK(st.evicted == 0 && st.refused == 0);
+  for (int i = 0; i < 4; i++) cli_free(a[i]);
+  for (int i = 0; i < 3; i++) cli_free(b[i]);
+  cli_free(q);
+  srv_stop(&t);
+
+  /* A head on its way while busy gets 408 after the busy timeout, not the 30 s one: h sends part
+   * of a head, six idle connections make the table busy. */
+  cfg.busy_timeout_ms = 300;
+  srv_start(&t, &cfg);
+  cli *h = cli_new(t.port);
+  CHECK(cli_sends(h->fd, "GET /hello HTTP/1.1\r\nHost: x\r\n"));
+  CHECK(wait_open(&t, 1));
+  t0 = now_ms();
+  cli *c[6];
+  for (int i = 0; i < 6; i++) c[i] = cli_new(t.port);
+  bool got = cli_response(h, &r);
+  uint64_t el = now_ms() - t0;
+  CHECKF(got && r.status == 408 && r.close, "the slow head got %d", got ? r.status : -1);
+  if (got) resp_free(&r);
+  CHECKF(el >= 200 && el < 3000, "the 408 came after %llu ms", (unsigned long long)el);
+  cli_free(h);
+  /* the idle ones went with it, until the table was back at half the mark (3 of 8) */
+  int gone = 0;
+  for (int i = 0; i < 6; i++) gone += cli_gone(c[i], 1000);
+  CHECKF(gone >= 3 && gone <= 5, "%d of 6 idle connections closed in the busy spell", gone);
+  st = srv_stats(&t);
+  CHECKF(st.timeouts >= 1 && st.responses_error >= 1, "timeouts %llu",
+         (unsigned long long)st.timeouts);
+  for (int i = 0; i < 6; i++) cli_free(c[i]);
   srv_stop(&t);
 }
 
@@ -1012,6 +1268,9 @@ int main(void) {
   test_timeouts();
   test_slow_reader();
   test_max_connections();
+  test_eviction();
+  test_per_ip_limit();
+  test_busy_timeout();
   test_free_with_held_request();
   test_bad_config();
   return pd_test_finish("test_http_server");

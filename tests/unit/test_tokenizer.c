@@ -11,7 +11,8 @@
  *  - byte-fallback and byte-level decoding of partial/invalid byte runs (values from HF);
  *  - added-token flags (lstrip, rstrip, single_word, normalized) on the cases of the
  *    `tokenizers` test suite; Metaspace("first") equals the legacy Llama-2 normalizer;
- *  - concurrent encoding from two threads; the chat-template call path.
+ *  - concurrent encoding and chat rendering from eight threads sharing the tokenizers; the
+ *    chat-template call path.
  * Reference values come from the data files or from Hugging Face `tokenizers`, never from this
  * implementation. */
 #include <pthread.h>
@@ -587,14 +588,24 @@ static void test_metaspace_equivalence(const char *tmp) {
 
 /* ---------------------------------------------------------------- threads, chat, timing */
 
+/* The router tokenizes and renders chat templates on several worker threads at once, sharing one
+ * pd_tokenizer: eight threads, two per tokenizer, encode every golden case and render a chat
+ * (pycoder, llama3 and qwen3 have templates) over and over, and every result must equal the
+ * reference (the golden ids; the chat rendered before the threads start). Under
+ * PD_SANITIZE=thread this is the data-race check of the shared tokenizer. */
 typedef struct thread_arg {
   fixture *f;
+  const char *chat_ref; /* NULL: the tokenizer has no template */
   int fails;
 } thread_arg;
 
+static const pd_chat_msg g_thread_msgs[3] = {
+    {"system", "You write Python."}, {"user", "sort a list of 1000 numbers, ü ñ 中文"},
+    {"assistant", "def sort(xs):\n    return sorted(xs)"}};
+
 static void *encode_worker(void *p) {
   thread_arg *a = p;
-  for (int rep = 0; rep < 10; rep++) {
+  for (int rep = 0; rep < 5; rep++) {
     const cJSON *c;
     cJSON_ArrayForEach(c, a->f->cases) {
       size_t n_ref, n = 0;
@@ -607,16 +618,38 @@ static void *encode_worker(void *p) {
       free(ids);
       free(ref);
     }
+    if (a->chat_ref) {
+      char *out = NULL;
+      pd_err e = {0};
+      if (pd_tokenizer_apply_chat(a->f->t, g_thread_msgs, 3, true, &out, &e) != PD_OK ||
+          strcmp(out, a->chat_ref))
+        a->fails++;
+      free(out);
+    }
   }
   return NULL;
 }
 
 static void test_threads(void) {
-  thread_arg args[2] = {{fx("qwen3"), 0}, {fx("qwen3"), 0}};
-  pthread_t th[2];
-  for (int i = 0; i < 2; i++) CHECK(pthread_create(&th[i], NULL, encode_worker, &args[i]) == 0, "pthread_create");
-  for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
-  CHECK(args[0].fails == 0 && args[1].fails == 0, "concurrent encodes differ from the reference");
+  enum { PER = 2 };
+  thread_arg args[4 * PER];
+  char *refs[4] = {0};
+  for (int i = 0; i < 4; i++) {
+    pd_err e = {0};
+    if (pd_tokenizer_has_chat_template(g_fx[i].t) &&
+        pd_tokenizer_apply_chat(g_fx[i].t, g_thread_msgs, 3, true, &refs[i], &e) != PD_OK)
+      refs[i] = NULL; /* a template this interpreter cannot render: encoding is still checked */
+    printf("  threads: %s chat %s\n", g_fx[i].name, refs[i] ? "rendered" : "none");
+    for (int k = 0; k < PER; k++) args[i * PER + k] = (thread_arg){&g_fx[i], refs[i], 0};
+  }
+  pthread_t th[4 * PER];
+  for (int i = 0; i < 4 * PER; i++)
+    CHECK(pthread_create(&th[i], NULL, encode_worker, &args[i]) == 0, "pthread_create");
+  for (int i = 0; i < 4 * PER; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < 4 * PER; i++)
+    CHECK(args[i].fails == 0, "%s: %d concurrent encodes or chat renders differ from the reference",
+          args[i].f->name, args[i].fails);
+  for (int i = 0; i < 4; i++) free(refs[i]);
 }
 
 static void test_chat(void) {

@@ -1,9 +1,9 @@
-/* A string -> pointer hash map with open addressing (linear probing, tombstones), for the
- * router's wire request ids and client request keys. Keys are copied. */
+/* A string -> pointer hash map with open addressing (linear probing, tombstones). See smap.h. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "router.h"
+#include "smap.h"
 
 #define TOMB ((char *)1)
 
