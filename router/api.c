@@ -1061,6 +1061,12 @@ void api_http_handler(pd_http_req *req, const pd_http_request *msg, void *ud) {
   if (pl >= sizeof p) pl = sizeof p - 1;
   memcpy(p, path, pl);
   p[pl] = 0;
+  if (!strcmp(p, "/live")) { /* liveness: answered by the one event loop, so it runs */
+    static const char ok[] = "{\"status\":\"ok\"}";
+    if (!get) pd_http_respond_error(req, 405, "use GET", NULL, NULL, NULL);
+    else pd_http_respond(req, 200, "application/json", NULL, 0, ok, sizeof ok - 1, NULL);
+    goto out;
+  }
   if (!strcmp(p, "/health")) {
     if (!get) pd_http_respond_error(req, 405, "use GET", NULL, NULL, NULL);
     else handle_health(r, req);

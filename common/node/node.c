@@ -652,7 +652,8 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
   n->hb_started = true;
 
   if (o->metrics_port >= 0) {
-    n->statsd = pd_statsd_start(o->bind, o->metrics_port, n->metrics, &n->healthy, e);
+    n->statsd = pd_statsd_start(o->bind, o->metrics_port, n->metrics, &n->healthy,
+                                &n->hb_progress_ms, e);
     if (!n->statsd) return e->code;
   }
   return PD_OK;

@@ -68,10 +68,11 @@ pd_status pd_curve_keys_from_flags(const char *file, const char *z85, pd_curve_k
 /* ---- metrics/health HTTP server on its own thread ---- */
 
 typedef struct pd_statsd pd_statsd;
-/* Serves GET /metrics (m rendered) and GET /health (200 while *healthy, else 503) on host:port
- * (port 0: a free one). NULL with e set on failure. */
+/* Serves GET /metrics (m rendered), GET /health (200 while *healthy, else 503: readiness) and
+ * GET /live (200 while *progress_ms, the main loop's last turn, is less than PD_NODE_STALL_MS
+ * old, else 503: liveness) on host:port (port 0: a free one). NULL with e set on failure. */
 pd_statsd *pd_statsd_start(const char *host, int port, pd_metrics *m, atomic_bool *healthy,
-                           pd_err *e);
+                           atomic_llong *progress_ms, pd_err *e);
 int pd_statsd_port(const pd_statsd *s);
 void pd_statsd_stop(pd_statsd *s);
 

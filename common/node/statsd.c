@@ -1,5 +1,7 @@
-/* A node's /metrics and /health HTTP endpoint: a pd_http_server on an event loop of its own
- * thread, so a scrape is answered even while the node's main thread is inside a forward pass. */
+/* A node's /metrics, /health and /live HTTP endpoint: a pd_http_server on an event loop of its
+ * own thread, so a scrape is answered even while the node's main thread is inside a forward
+ * pass. /health is readiness (the router counts the node); /live is liveness (the node's main
+ * loop has come round within PD_NODE_STALL_MS), which does not depend on other processes. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +16,7 @@ struct pd_statsd {
   bool started;
   pd_metrics *m;
   atomic_bool *healthy;
+  atomic_llong *progress_ms; /* the main loop's last turn (pd_now_ms) */
 };
 
 static void on_request(pd_http_req *req, const pd_http_request *msg, void *ud) {
@@ -35,8 +38,10 @@ static void on_request(pd_http_req *req, const pd_http_request *msg, void *ud) {
     free(text);
     return;
   }
-  if (!strcmp(msg->path, "/health")) {
-    bool ok = atomic_load(s->healthy);
+  if (!strcmp(msg->path, "/health") || !strcmp(msg->path, "/live")) {
+    bool ok = msg->path[1] == 'h'
+                  ? atomic_load(s->healthy)
+                  : pd_now_ms() - atomic_load(s->progress_ms) < PD_NODE_STALL_MS;
     const char *body = ok ? "{\"status\":\"ok\"}" : "{\"status\":\"unavailable\"}";
     pd_http_respond(req, ok ? 200 : 503, "application/json", NULL, 0, body, strlen(body), NULL);
     return;
@@ -52,7 +57,7 @@ static void *run(void *ud) {
 }
 
 pd_statsd *pd_statsd_start(const char *host, int port, pd_metrics *m, atomic_bool *healthy,
-                           pd_err *e) {
+                           atomic_llong *progress_ms, pd_err *e) {
   pd_statsd *s = calloc(1, sizeof *s);
   if (!s) {
     pd_err_set(e, PD_ENOMEM, "out of memory");
@@ -60,6 +65,7 @@ pd_statsd *pd_statsd_start(const char *host, int port, pd_metrics *m, atomic_boo
   }
   s->m = m;
   s->healthy = healthy;
+  s->progress_ms = progress_ms;
   s->loop = pd_evloop_new(e);
   if (!s->loop) goto fail;
   pd_http_config c;

@@ -109,6 +109,7 @@ def run(c, build, chk):
     chk.eq(post(c, "/v1/completions", {"prompt": "x"}, key=None).status_code, 401,
            "completions without key: 401")
     chk.eq(requests.get(u + "/health", timeout=10).status_code, 200, "/health open")
+    chk.eq(requests.get(u + "/live", timeout=10).status_code, 200, "/live open")
     chk.eq(requests.get(u + "/metrics", timeout=10).status_code, 200, "/metrics open")
     r = requests.get(u + "/v1/models", headers=c.headers(), timeout=10)
     chk.ok(r.status_code == 200 and r.json()["data"][0]["id"] == "pycoder-12m", "/v1/models")
@@ -342,6 +343,8 @@ def run(c, build, chk):
         nm = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         chk.eq(requests.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code, 200,
                f"{node} /health")
+        chk.eq(requests.get(f"http://127.0.0.1:{port}/live", timeout=10).status_code, 200,
+               f"{node} /live")
         for name in ["pd_node_running_seqs", "pd_node_kv_cache_usage_ratio",
                      "pd_node_prefix_cache_hit_rate", "pd_node_kv_transfer_bytes_total",
                      "pd_node_kv_transfer_seconds", "pd_node_generation_tokens_total"]:

@@ -199,9 +199,20 @@ def part_prefill(c, chk):
                       json={"prompt": "def f():", "max_tokens": 8, "temperature": 0}, timeout=30)
     chk.eq(r.status_code, 200, "requests work after the rejoin")
 
-    # 5. router restart: nodes register again
+    # 5. router restart: nodes register again. While the router is away a node is not ready
+    # (/health 503 once its heartbeats go unanswered) but alive (/live 200): a liveness probe
+    # must not restart it for another process's absence.
     c.procs["router"].kill(signal.SIGKILL)
     os.remove(os.path.join(c.dir, "router.ready"))
+    port = c.node_metrics_port("d0")
+    t0 = time.time()
+    while time.time() - t0 < 10 and requests.get(
+            f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+        time.sleep(0.1)
+    chk.eq(requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code, 503,
+           "without the router a node's /health is 503")
+    chk.eq(requests.get(f"http://127.0.0.1:{port}/live", timeout=5).status_code, 200,
+           "and its /live is 200")
     c.start_router()
     t0 = time.time()
     try:

@@ -180,11 +180,12 @@ def check_k8s(repo, flags):
                 ref = ef.get("configMapRef", {}).get("name")
                 check(ref in cms, "%s: envFrom ConfigMap %s does not exist" % (where, ref))
             # readiness: /health (router: nodes registered; node: registered and acknowledged).
-            # liveness: /metrics, which the process serves whatever the others do: /health
-            # depends on other processes, and restarting this one would not mend them.
-            # startup (nodes): the model load, which can take minutes, is not a hang.
-            want_path = {"readinessProbe": "/health", "livenessProbe": "/metrics",
-                         "startupProbe": "/metrics"}
+            # liveness: /live, the process's own state whatever the others do (/health depends
+            # on other processes, and restarting this one would not mend them): a node's main
+            # loop came round lately; the router's event loop answers.
+            # startup (nodes): /live, once the model load, which can take minutes, is done.
+            want_path = {"readinessProbe": "/health", "livenessProbe": "/live",
+                         "startupProbe": "/live"}
             probes = ["readinessProbe", "livenessProbe"]
             if role in ("prefill", "decode"):
                 probes.append("startupProbe")
@@ -198,7 +199,7 @@ def check_k8s(repo, flags):
                 check(p["httpGet"]["path"] == want_path[probe], "%s: %s on %s, not %s" %
                       (where, probe, p["httpGet"]["path"], want_path[probe]))
                 g = p["httpGet"]
-                check(g["path"] in ("/health", "/metrics"), "%s: %s path %s" %
+                check(g["path"] in ("/health", "/metrics", "/live"), "%s: %s path %s" %
                       (where, probe, g["path"]))
                 port = ports.get(g["port"]) if isinstance(g["port"], str) else g["port"]
                 check(port in ports.values(), "%s: %s port %s is not a container port" %
