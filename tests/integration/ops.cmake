@@ -36,7 +36,11 @@ if(TARGET pdctl AND TARGET pdclient AND TARGET pd-router AND TARGET pd-prefill A
   pd_add_py_test(test_pdctl_supervise test_pdctl_supervise.py 300
                  --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR} --slow ${_pd_ops_slow})
   set_tests_properties(test_pdctl_supervise PROPERTIES RUN_SERIAL TRUE)
+  # Decode nodes whose device fails (--fail-device-after) exit 3, are restarted and counted again.
+  pd_add_py_test(test_pdctl_device_fault test_pdctl_device_fault.py 300
+                 --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR} --slow ${_pd_ops_slow})
+  set_tests_properties(test_pdctl_device_fault PROPERTIES RUN_SERIAL TRUE)
   # Each starts its own cluster: several at once would only fight over the two cores.
   set_tests_properties(test_pdctl_cluster test_pdctl_client test_pdctl_bench test_pdctl_supervise
-                       PROPERTIES RESOURCE_LOCK pdctl_cluster)
+                       test_pdctl_device_fault PROPERTIES RESOURCE_LOCK pdctl_cluster)
 endif()
