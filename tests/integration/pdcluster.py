@@ -300,6 +300,43 @@ def metric(text, name, labels=None):
     return total if found else None
 
 
+def sse_events(response):
+    """The events of a streamed OpenAI response (requests, stream=True): each `data:` line's
+    JSON object, and "[DONE]" for the end marker."""
+    import json as _json
+    for line in response.iter_lines():
+        if not line.startswith(b"data: "):
+            continue
+        d = line[6:]
+        yield "[DONE]" if d == b"[DONE]" else _json.loads(d)
+
+
+def stream_completion(url, body, on_chunk=None, timeout=60):
+    """Streams a completion from the router at url; returns (text, finish_reason, error_event,
+    done, seconds). on_chunk(n) is called after each chunk with choices."""
+    import requests
+    t0 = time.time()
+    body = dict(body, stream=True)
+    text, finish, err, done, n = "", None, None, False, 0
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            return None, None, {"status": r.status_code, "body": r.text}, False, time.time() - t0
+        for o in sse_events(r):
+            if o == "[DONE]":
+                done = True
+                break
+            if "error" in o:
+                err = o["error"]
+                continue
+            for ch in o["choices"]:
+                text += ch["text"]
+                finish = ch.get("finish_reason") or finish
+            n += 1
+            if on_chunk:
+                on_chunk(n)
+    return text, finish, err, done, time.time() - t0
+
+
 def pdctl_generate(build, prompt=None, chat=None, max_tokens=32, extra=()):
     argv = [os.path.join(build, "tools", "pdctl"), "generate", "--model", MODEL,
             "--max-tokens", str(max_tokens), "--temperature", "0", "--json", "--threads", "1"]

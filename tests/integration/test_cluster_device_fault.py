@@ -40,24 +40,9 @@ MAX_TOKENS = 24
 
 
 def stream(c, prompt):
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
-    text, done, err = "", False, None
-    with requests.post(c.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
-        if r.status_code != 200:
-            return None, f"HTTP {r.status_code}: {r.text[:200]}"
-        for line in r.iter_lines():
-            if not line.startswith(b"data: "):
-                continue
-            d = line[6:]
-            if d == b"[DONE]":
-                done = True
-                break
-            o = json.loads(d)
-            if "error" in o:
-                err = o["error"]
-                continue
-            for ch in o["choices"]:
-                text += ch["text"]
+    """(text, None) of a greedy streamed completion, or (None, what went wrong)."""
+    text, _, err, done, _ = pc.stream_completion(
+        c.url, {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}, timeout=120)
     if err or not done:
         return None, f"error {err}, done {done}"
     return text, None
@@ -93,15 +78,21 @@ def check_texts(ck, results):
 EXPECTED = {}
 
 
-def part_decode(ck, build, expected):
-    print("== a decode node's device fails under load")
+def start(build, prefill, decode):
+    """A router and one node per entry of prefill / decode (each entry: its extra flags)."""
     c = pc.Cluster(build, base_node_args=NODE_ARGS)
     c.start_router()
-    names = [c.start_node("prefill"), c.start_node("decode"),
-             c.start_node("decode", ["--fail-device-after", "12"])]
+    names = [c.start_node("prefill", x) for x in prefill]
+    names += [c.start_node("decode", x) for x in decode]
     for n in names:
         c.wait_node_ready(n)
-    c.wait_health(1, 2)
+    c.wait_health(len(prefill), len(decode))
+    return c
+
+
+def part_decode(ck, build, expected):
+    print("== a decode node's device fails under load")
+    c = start(build, [[]], [[], ["--fail-device-after", "12"]])
     results = load(c)
     bad = [e for _, e in results if e]
     ck.eq(bad, [], "every stream completed while a decode node's device failed")
@@ -127,16 +118,10 @@ def part_decode(ck, build, expected):
 
 def part_prefill(ck, build, expected):
     print("== a prefill node's device fails under load")
-    c = pc.Cluster(build, base_node_args=NODE_ARGS)
-    c.start_router()
     # 64-token forward passes: the prompts take several steps each, so the failing node holds
     # some half-prefilled when its device goes
-    names = [c.start_node("prefill", ["--max-batch-tokens", "64"]),
-             c.start_node("prefill", ["--max-batch-tokens", "64", "--fail-device-after", "3"]),
-             c.start_node("decode")]
-    for n in names:
-        c.wait_node_ready(n)
-    c.wait_health(2, 1)
+    c = start(build, [["--max-batch-tokens", "64"],
+                      ["--max-batch-tokens", "64", "--fail-device-after", "3"]], [[]])
     results = load(c)
     bad = [e for _, e in results if e]
     ck.eq(bad, [], "every stream completed while a prefill node's device failed")

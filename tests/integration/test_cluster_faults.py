@@ -16,7 +16,6 @@ with a result or a defined error within seconds.
      reservation expires on the decode node (--kv-ttl-ms), the router retries, and the request
      completes once the prefill node runs again."""
 import concurrent.futures as cf
-import json
 import os
 import signal
 import sys
@@ -37,30 +36,7 @@ def nodes(c):
 
 def stream_request(c, body, on_chunk=None, timeout=60):
     """Streams a completion; returns (text, finish_reason, error_event, done, seconds)."""
-    t0 = time.time()
-    body = dict(body, stream=True)
-    text, finish, err, done, n = "", None, None, False, 0
-    with requests.post(c.url + "/v1/completions", json=body, stream=True, timeout=timeout) as r:
-        if r.status_code != 200:
-            return None, None, {"status": r.status_code, "body": r.text}, False, time.time() - t0
-        for line in r.iter_lines():
-            if not line.startswith(b"data: "):
-                continue
-            d = line[6:]
-            if d == b"[DONE]":
-                done = True
-                break
-            o = json.loads(d)
-            if "error" in o:
-                err = o["error"]
-                continue
-            for ch in o["choices"]:
-                text += ch["text"]
-                finish = ch.get("finish_reason") or finish
-            n += 1
-            if on_chunk:
-                on_chunk(n)
-    return text, finish, err, done, time.time() - t0
+    return pc.stream_completion(c.url, body, on_chunk, timeout)
 
 
 def serving_decode(c, names):

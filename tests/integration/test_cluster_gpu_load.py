@@ -160,17 +160,13 @@ class Load:
                            timeout=self.timeout) as r:
             if r.status_code != 200:
                 return ("failed", "HTTP %d: %s" % (r.status_code, r.text[:300]))
-            for line in r.iter_lines():
-                if not line.startswith(b"data: "):
-                    continue
+            for o in pc.sse_events(r):
                 if events == stop_after:
                     return ("abandoned", None)  # closes the connection mid-stream
                 events += 1
-                d = line[6:]
-                if d == b"[DONE]":
+                if o == "[DONE]":
                     done = True
                     break
-                o = json.loads(d)
                 if "error" in o:
                     return ("failed", "error event %s" % o["error"])
                 if o.get("usage"):
