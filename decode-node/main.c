@@ -34,7 +34,8 @@ typedef struct dreq {
   int n_prompt, n_gen_base, n_ctx;
   int32_t *blocks;
   int nb;
-  int64_t deadline_ms, t_first_kv;
+  int64_t deadline_ms;
+  double t_first_kv; /* pd_mono_s of its first KV message (0: none yet) */
   uint8_t *coverage; /* [num_layers * num_kv_heads]: 1 where that layer's head has landed */
   uint64_t bytes;
   uint8_t prefill_rid[PD_NET_ROUTING_ID_MAX];
@@ -421,7 +422,7 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
   }
   memcpy(r->prefill_rid, m->routing_id, m->routing_id_len);
   r->prefill_rid_len = m->routing_id_len;
-  if (!r->t_first_kv) r->t_first_kv = pd_now_ms();
+  if (!r->t_first_kv) r->t_first_kv = pd_mono_s();
   if (h->draft) {
     fail_req(r, PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED, "draft KV sent to a node without a draft");
     return;
@@ -521,7 +522,7 @@ static void on_kv_done(const pd_net_msg *m, const Pd__KvTransferDone *d) {
   }
   send_kv_ack(r->prefill_rid, r->prefill_rid_len, r->id, r->reservation_id, true, 0, NULL);
   pd_metric_add(g.m_kv_transfers, 1);
-  pd_metric_observe(g.m_kv_seconds, (double)(pd_now_ms() - r->t_first_kv) / 1000.0);
+  pd_metric_observe(g.m_kv_seconds, pd_mono_s() - r->t_first_kv);
   r->state = D_ACTIVE;
   r->n_generated = (uint32_t)r->n_gen_base + 1; /* the prefill node's token counts */
   /* pd_sched_activate drops a sequence that has nothing left to decode without an event
@@ -614,7 +615,7 @@ static void fail_active(const char *why) {
 }
 
 /* Ends the step in flight (begun at t0): waits for the device, reports its tokens. */
-static void end_step(pd_node *n, int64_t t0) {
+static void end_step(pd_node *n, double t0) {
   pd_err e = {0};
   if (pd_sched_step_end(n->rt.sched, &e) != PD_OK) {
     pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
@@ -623,7 +624,7 @@ static void end_step(pd_node *n, int64_t t0) {
   } else {
     pd_node_check_device(n);
   }
-  g.last_step_s = (double)(pd_now_ms() - t0) / 1000.0;
+  g.last_step_s = pd_mono_s() - t0;
   pd_metric_observe(n->m_step_seconds, g.last_step_s);
   pd_node_update_metrics(n); /* O(1): scrapes see every step */
 }
@@ -660,8 +661,8 @@ int main(int argc, char **argv) {
                                        "direction=\"received\",work=\"unpack\"");
   g.m_kv_seconds = pd_metrics_histogram(m, "pd_node_kv_transfer_seconds",
                                         "From a request's first KV chunk to its KvTransferDone.",
-                                        NULL, pd_metrics_latency_buckets,
-                                        pd_metrics_latency_buckets_n);
+                                        NULL, pd_metrics_fine_buckets,
+                                        pd_metrics_fine_buckets_n);
   g.m_reserved = pd_metrics_gauge(m, "pd_node_kv_blocks_reserved",
                                   "KV blocks held by reservations whose pages have not landed.",
                                   NULL);
@@ -721,7 +722,8 @@ int main(int argc, char **argv) {
   const char *kb = getenv("PD_DECODE_KV_BUDGET_MS");
   const double kv_budget_fixed = kb ? atof(kb) / 1000.0 : -1.0;
   pd_sched *sched = n->rt.sched;
-  int64_t next_metrics = 0, step_t0 = 0;
+  int64_t next_metrics = 0;
+  double step_t0 = 0;
   while (!pd_node_stop_flag) {
     int64_t wait = pd_node_tick(n);
     if (pd_sched_has_work(sched) || pd_sched_step_in_flight(sched)) wait = 0;
@@ -745,7 +747,7 @@ int main(int argc, char **argv) {
     }
     if (pd_sched_has_work(sched)) {
       bool started = false;
-      step_t0 = pd_now_ms();
+      step_t0 = pd_mono_s();
       if (pd_sched_step_begin(sched, &started, &e) != PD_OK) {
         pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
         if (!pd_node_check_device(n)) fail_active(e.msg);

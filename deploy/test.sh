@@ -16,6 +16,14 @@ if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get install -y -qq python3-venv >/dev/null
 fi
+# promtool (Debian package prometheus, no service started here): the metrics tests lint /metrics
+if ! command -v promtool > /dev/null; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get install -y -qq --no-install-recommends prometheus > /dev/null 2>&1 ||
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends prometheus \
+        > /dev/null; }
+fi
 if [ ! -x build/pyenv/bin/python3 ]; then
   python3 -m venv build/pyenv
 fi

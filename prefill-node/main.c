@@ -44,7 +44,7 @@ typedef struct kv_link {
 typedef struct pending_ack {
   char id[PD_WIRE_ID_MAX_BYTES + 1];
   uint64_t reservation_id;
-  int64_t t0;
+  double t0; /* pd_mono_s when its KV was queued */
 } pending_ack;
 
 typedef struct prefill {
@@ -186,13 +186,13 @@ static void ack_track(const char *id, uint64_t res) {
   pending_ack *a = &g.acks[g.n_acks++];
   snprintf(a->id, sizeof a->id, "%s", id);
   a->reservation_id = res;
-  a->t0 = pd_now_ms();
+  a->t0 = pd_mono_s();
 }
 
 static void on_kv_ack(const Pd__KvTransferAck *a) {
   for (int i = 0; i < g.n_acks; i++)
     if (g.acks[i].reservation_id == a->reservation_id && !strcmp(g.acks[i].id, a->request_id)) {
-      if (a->ok) pd_metric_observe(g.m_kv_seconds, (double)(pd_now_ms() - g.acks[i].t0) / 1000.0);
+      if (a->ok) pd_metric_observe(g.m_kv_seconds, pd_mono_s() - g.acks[i].t0);
       g.acks[i] = g.acks[--g.n_acks];
       break;
     }
@@ -649,8 +649,8 @@ int main(int argc, char **argv) {
   g.m_kv_seconds = pd_metrics_histogram(m, "pd_node_kv_transfer_seconds",
                                         "From queueing a request's KV pages to the decode "
                                         "node's acknowledgement.",
-                                        NULL, pd_metrics_latency_buckets,
-                                        pd_metrics_latency_buckets_n);
+                                        NULL, pd_metrics_fine_buckets,
+                                        pd_metrics_fine_buckets_n);
   g.m_ttft = pd_metrics_histogram(m, "pd_node_time_to_first_token_seconds",
                                   "From receiving a Prefill to sampling its first token.", NULL,
                                   pd_metrics_latency_buckets, pd_metrics_latency_buckets_n);
@@ -684,7 +684,7 @@ int main(int argc, char **argv) {
     pd_node_drain_router(n);
     links_drain();
     if (pd_sched_has_work(n->rt.sched)) {
-      int64_t t0 = pd_now_ms();
+      const double t0 = pd_mono_s();
       if (pd_sched_step(n->rt.sched, &e) != PD_OK) {
         pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
         /* a failed device takes the node out of the cluster: the router retries its prompts */
@@ -692,7 +692,7 @@ int main(int argc, char **argv) {
       } else {
         pd_node_check_device(n);
       }
-      pd_metric_observe(n->m_step_seconds, (double)(pd_now_ms() - t0) / 1000.0);
+      pd_metric_observe(n->m_step_seconds, pd_mono_s() - t0);
       pd_node_update_metrics(n); /* O(1): scrapes see every step */
       links_flush();
     }

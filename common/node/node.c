@@ -522,7 +522,8 @@ static void init_metrics(pd_node *n) {
                                    "Fraction of KV blocks in use (0..1).", NULL);
   n->m_kv_free = pd_metrics_gauge(m, "pd_node_kv_blocks_free",
                                   "KV blocks free or evictable.", NULL);
-  n->m_kv_total = pd_metrics_gauge(m, "pd_node_kv_blocks_total", "KV blocks in the cache.", NULL);
+  n->m_kv_total = pd_metrics_gauge(m, "pd_node_kv_blocks_capacity", "KV blocks in the cache.",
+                                   NULL);
   n->m_graph_replays = pd_metrics_counter(m, "pd_node_graph_replays_total",
                                           "Decode steps replayed from recorded device graphs.",
                                           NULL);
@@ -539,7 +540,7 @@ static void init_metrics(pd_node *n) {
   n->m_steps = pd_metrics_counter(m, "pd_node_steps_total", "Forward passes run.", NULL);
   n->m_step_seconds = pd_metrics_histogram(m, "pd_node_step_seconds",
                                            "Duration of one scheduler step.", NULL,
-                                           pd_metrics_itl_buckets, pd_metrics_itl_buckets_n);
+                                           pd_metrics_fine_buckets, pd_metrics_fine_buckets_n);
   n->m_preemptions = pd_metrics_counter(m, "pd_node_preemptions_total",
                                         "Sequences preempted for lack of KV blocks.", NULL);
 }

@@ -15,6 +15,11 @@ const double pd_metrics_latency_buckets[] = {0.001, 0.005, 0.01, 0.02, 0.05, 0.1
                                              1,     2,     5,    10,   20,   30,  60};
 const int pd_metrics_latency_buckets_n =
     (int)(sizeof pd_metrics_latency_buckets / sizeof pd_metrics_latency_buckets[0]);
+const double pd_metrics_fine_buckets[] = {1e-5,   2.5e-5, 5e-5,  1e-4, 2.5e-4, 5e-4, 1e-3,
+                                          2.5e-3, 5e-3,   0.01,  0.025, 0.05,  0.1,  0.25,
+                                          0.5,    1,      2.5,   5,    10};
+const int pd_metrics_fine_buckets_n =
+    (int)(sizeof pd_metrics_fine_buckets / sizeof pd_metrics_fine_buckets[0]);
 const double pd_metrics_itl_buckets[] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
                                          0.1,   0.15,   0.2,   0.3,  0.5,  1,    2,    5};
 const int pd_metrics_itl_buckets_n =

@@ -32,6 +32,14 @@ CLIENT_PUBLIC = "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"
 CLIENT_SECRET = "D:)Q[IlAW!ahhC2ac:9*A}h:p?([4%wOTJ%JR%cs"
 
 
+
+def promtool(text):
+    """promtool check metrics' findings on a /metrics text ("" when clean; deploy/test.sh installs
+    promtool, Debian package prometheus)."""
+    r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                       text=True, timeout=60)
+    return (r.stdout + r.stderr).strip() if r.returncode else ""
+
 def main():
     a = pc.args()
     c = pc.Cluster(a.build, api_key=KEY)
@@ -338,9 +346,13 @@ def run(c, build, chk):
            "errors_total counts invalid requests")
     chk.ok(pc.metric(m1, "pd_router_time_to_first_token_seconds_count") >
            (pc.metric(m0, "pd_router_time_to_first_token_seconds_count") or 0), "TTFT observed")
+    chk.eq(promtool(m1), "", "router metrics pass promtool check metrics")
     for node in ("p0", "d0"):
         port = c.node_metrics_port(node)
         nm = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        chk.eq(promtool(nm), "", f"{node} metrics pass promtool check metrics")
+        chk.ok('pd_node_kv_transfer_seconds_bucket{le="1e-05"}' in nm,
+               f"{node} KV transfer times resolve 10 us")
         chk.eq(requests.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code, 200,
                f"{node} /health")
         chk.eq(requests.get(f"http://127.0.0.1:{port}/live", timeout=10).status_code, 200,

@@ -304,7 +304,7 @@ def run(a, tmp):
             v = {"live": pc.metric(m, "pd_router_requests_live")}
             for n in ("p0", "d0"):
                 v[n] = (node_metric(c, n, "pd_node_kv_blocks_free"),
-                        node_metric(c, n, "pd_node_kv_blocks_total"))
+                        node_metric(c, n, "pd_node_kv_blocks_capacity"))
             return v
 
         end = time.time() + (60 if st["failed"] == 0 else 10)

@@ -218,7 +218,7 @@ def main():
             nm = requests.get(f"http://127.0.0.1:{c.node_metrics_port(name)}/metrics",
                               timeout=10).text
             vals[name + "_free"] = pc.metric(nm, "pd_node_kv_blocks_free")
-            vals[name + "_total"] = pc.metric(nm, "pd_node_kv_blocks_total")
+            vals[name + "_total"] = pc.metric(nm, "pd_node_kv_blocks_capacity")
         return vals
 
     end = time.time() + 30

@@ -86,6 +86,10 @@ char *pd_metrics_escape_label(const char *value, char *out, size_t cap);
 extern const double pd_metrics_latency_buckets[]; /* 0.001 s .. 60 s, for TTFT / e2e */
 extern const int pd_metrics_latency_buckets_n;
 extern const double pd_metrics_itl_buckets[];     /* 0.001 s .. 5 s, for inter-token gaps */
+/* 10 us .. 10 s, 2.5x apart: quantities that can take microseconds (a KV transfer of a short
+ * prompt between nodes on one host, a decode step of a small model on a GPU) */
+extern const double pd_metrics_fine_buckets[];
+extern const int pd_metrics_fine_buckets_n;
 extern const int pd_metrics_itl_buckets_n;
 
 #ifdef __cplusplus
