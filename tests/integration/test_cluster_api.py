@@ -313,20 +313,16 @@ def run(c, build, chk):
 
     # ---- ZeroMQ client API ----
     pdctl = os.path.join(build, "tools", "pdctl")
-    probe = subprocess.run([pdctl, "client", "--help"], capture_output=True, timeout=30)
-    if probe.returncode == 0:
-        out = subprocess.run([pdctl, "client", "--endpoint", f"tcp://127.0.0.1:{c.client_port}",
-                              "--prompt", "def fibonacci(n):", "--max-tokens", "48",
-                              "--temperature", "0", "--json", "--timeout", "30000"],
-                             capture_output=True, timeout=60)
-        ref = pc.pdctl_generate(build, prompt="def fibonacci(n):", max_tokens=48)
-        try:
-            got = json.loads(out.stdout)["choices"][0]["text"]
-        except Exception:  # noqa: BLE001
-            got = out.stdout.decode(errors="replace") + out.stderr.decode(errors="replace")
-        chk.eq(got, ref["text"], "ZeroMQ client API greedy == pdctl generate")
-    else:
-        print("  (pdctl client not available: ZeroMQ client API check skipped)")
+    out = subprocess.run([pdctl, "client", "--endpoint", f"tcp://127.0.0.1:{c.client_port}",
+                          "--prompt", "def fibonacci(n):", "--max-tokens", "48",
+                          "--temperature", "0", "--json", "--timeout", "30000"],
+                         capture_output=True, timeout=60)
+    ref = pc.pdctl_generate(build, prompt="def fibonacci(n):", max_tokens=48)
+    try:
+        got = json.loads(out.stdout)["choices"][0]["text"]
+    except Exception:  # noqa: BLE001
+        got = out.stdout.decode(errors="replace") + out.stderr.decode(errors="replace")
+    chk.eq(got, ref["text"], "ZeroMQ client API greedy == pdctl generate")
 
     # ---- metrics move ----
     m1 = requests.get(u + "/metrics", timeout=10).text

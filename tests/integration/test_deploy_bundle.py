@@ -22,8 +22,8 @@ def main():
     a = ap.parse_args()
     for sub, prog in PROGS:
         if not os.access(os.path.join(a.bin_dir, sub, prog), os.X_OK):
-            print("skip: %s/%s/%s not built" % (a.bin_dir, sub, prog))
-            sys.exit(77)
+            print("%s/%s/%s is not built" % (a.bin_dir, sub, prog))
+            sys.exit(1)
     errors = []
     tmp = tempfile.mkdtemp(prefix="pd-bundle-test-")
     try:

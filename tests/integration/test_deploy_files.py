@@ -14,9 +14,10 @@ import sys
 
 try:
     import yaml
-except ImportError:  # Debian: python3-yaml; PyPI: pyyaml
-    print("skip: PyYAML is not installed (apt-get install python3-yaml)")
-    sys.exit(77)
+except ImportError:  # PyPI: pyyaml (tests/integration/requirements.txt); Debian: python3-yaml
+    print("PyYAML is not installed: install tests/integration/requirements.txt (deploy/test.sh "
+          "does)")
+    sys.exit(1)
 
 ROLES = {"router": "pd-router", "prefill": "pd-prefill", "decode": "pd-decode"}
 errors = []
