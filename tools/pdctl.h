@@ -44,27 +44,4 @@ int32_t *pdctl_parse_ids(const char *s, size_t *n, pd_err *e);
 char *pdctl_read_file(const char *path, size_t *len);
 double pdctl_now(void);
 
-/* A model, backend and engine serving a few sequences whose blocks are laid out side by side
- * (sequence s owns blocks [s * max_blocks, (s+1) * max_blocks)). Used by the single-process
- * commands until the scheduler takes over. */
-typedef struct pdctl_runner {
-  pd_model *model;
-  pd_backend *be;
-  pd_engine *eng;
-  int n_seqs, max_blocks, bs, V;
-  int32_t *bt;  /* [n_seqs, max_blocks] */
-  int32_t *ctx; /* [n_seqs] tokens in the cache */
-  float *logits;
-} pdctl_runner;
-
-int pdctl_runner_open(pdctl_runner *r, const char *model_dir, int n_seqs, int max_len,
-                      int max_batch_tokens, int threads, pd_err *e);
-void pdctl_runner_close(pdctl_runner *r);
-/* Appends toks[0..n) to sequence s in chunks; the logits of its last token go to
- * r->logits[0..V). */
-pd_status pdctl_runner_feed(pdctl_runner *r, int s, const int32_t *toks, int n, pd_err *e);
-/* One decode step for sequences 0..n_seqs-1 together (toks[s] appended to sequence s);
- * logits of each in r->logits[s*V ..]. */
-pd_status pdctl_runner_step(pdctl_runner *r, const int32_t *toks, pd_err *e);
-
 #endif

@@ -69,6 +69,26 @@ r2 = pdctl("generate", "--model", MODEL, "--prompt", case["prompt"], "--max-toke
            "--temperature", "0", "--ignore-eos")
 check(r2.returncode == 0 and r2.stdout == out["text"] + "\n", "streamed text equals --json text")
 
+# the single-prompt form takes the engine options of every other command: with an unusual
+# cache layout and chunked prefill it gives what batch mode gives with the same options
+eng = ["--kv-cache-dtype", "bf16", "--block-size", "32", "--max-batch-tokens", "16",
+       "--device", "cpu", "--threads", "1"]
+r = pdctl("generate", "--model", MODEL, "--prompt", case["prompt"], "--max-tokens", "24",
+          "--temperature", "0", "--ignore-eos", "--json", *eng)
+check(r.returncode == 0, "generate --prompt with engine options: " + r.stderr)
+with tempfile.TemporaryDirectory() as tmp:
+    inp = os.path.join(tmp, "in.jsonl")
+    with open(inp, "w") as f:
+        f.write(json.dumps({"prompt": case["prompt"], "max_tokens": 24, "temperature": 0,
+                            "ignore_eos": True}) + "\n")
+    rb = pdctl("generate", "--model", MODEL, "--input", inp, "--output", "-", "--quiet", *eng)
+    check(rb.returncode == 0, "batch mode with the same options: " + rb.stderr)
+    if r.returncode == 0 and rb.returncode == 0:
+        check(json.loads(r.stdout)["output_ids"] == json.loads(rb.stdout)["output_ids"],
+              "single-prompt and batch mode agree with the same engine options")
+bad = pdctl("generate", "--model", MODEL, "--prompt", "x", "--device", "tpu:0")
+check(bad.returncode != 0 and "--device" in bad.stderr, "a bad --device is refused with a message")
+
 # chat template applied
 r = pdctl("generate", "--model", MODEL, "--chat", "hello", "--max-tokens", "4", "--json",
           "--temperature", "0")
