@@ -1,7 +1,10 @@
 #include "pd/opts.h"
 
+#include <cjson/cJSON.h>
 #include <ctype.h>
 #include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -58,8 +61,106 @@ static const pd_opt *find(const pd_opt *opts, const char *name, size_t len) {
   return NULL;
 }
 
+/* --config FILE: {"flag-name": value, ...}. Values are JSON strings, numbers or booleans and go
+ * through the same conversion and checks as command-line values. The strings the options keep
+ * point into a copy that lives for the rest of the process (options are parsed once). */
+static pd_status apply_config(const pd_opt *opts, const char *path, pd_err *e) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return pd_err_set(e, PD_EIO, "--config %s: cannot read it: %s", path, strerror(errno));
+  char *text = NULL;
+  size_t len = 0, cap = 0;
+  for (;;) {
+    if (len + 4096 + 1 > cap) {
+      cap = cap ? 2 * cap : 8192;
+      char *t = realloc(text, cap);
+      if (!t) {
+        free(text);
+        fclose(f);
+        return pd_err_set(e, PD_ENOMEM, "--config %s: out of memory", path);
+      }
+      text = t;
+    }
+    size_t got = fread(text + len, 1, 4096, f);
+    len += got;
+    if (got < 4096) break;
+  }
+  bool io_err = ferror(f);
+  fclose(f);
+  if (io_err || len > ((size_t)1 << 20)) {
+    free(text);
+    return pd_err_set(e, PD_EINVAL, "--config %s: %s", path,
+                      io_err ? "read error" : "larger than 1 MiB");
+  }
+  text[len] = 0;
+  const char *end = NULL;
+  cJSON *root = cJSON_ParseWithLengthOpts(text, len + 1, &end, true); /* the NUL included */
+  free(text);
+  if (!root || !cJSON_IsObject(root)) {
+    cJSON_Delete(root);
+    return pd_err_set(e, PD_EFORMAT, "--config %s: not a JSON object of option names and values",
+                      path);
+  }
+  pd_status st = PD_OK;
+  const cJSON *it;
+  cJSON_ArrayForEach(it, root) {
+    const char *key = it->string;
+    while (*key == '-') key++;
+    const pd_opt *o = find(opts, key, strlen(key));
+    if (!o || !strcmp(key, "config") || !strcmp(key, "help")) {
+      st = pd_err_set(e, PD_EINVAL, "--config %s: unknown option '%s'", path, it->string);
+      break;
+    }
+    char num[64];
+    const char *v = NULL;
+    if (cJSON_IsString(it)) {
+      v = it->valuestring;
+    } else if (cJSON_IsBool(it)) {
+      v = cJSON_IsTrue(it) ? "true" : "false";
+    } else if (cJSON_IsNumber(it)) {
+      double d = it->valuedouble;
+      if (d == (double)(int64_t)d && d > -9.2e18 && d < 9.2e18)
+        snprintf(num, sizeof num, "%" PRId64, (int64_t)d);
+      else
+        snprintf(num, sizeof num, "%.17g", d);
+      v = num;
+    } else {
+      st = pd_err_set(e, PD_EINVAL, "--config %s: '%s' must be a string, number or boolean",
+                      path, it->string);
+      break;
+    }
+    char *keep = strdup(v); /* lives for the process: string options point into it */
+    if (!keep) {
+      st = pd_err_set(e, PD_ENOMEM, "--config %s: out of memory", path);
+      break;
+    }
+    char from[256];
+    snprintf(from, sizeof from, "--config %s:", path);
+    st = set_value(o, keep, from, e);
+    if (o->type != PD_OPT_STR) free(keep);
+    if (st) break;
+  }
+  cJSON_Delete(root);
+  return st;
+}
+
+/* The --config FILE (or PD_CONFIG) given, or NULL. */
+static const char *config_path(int argc, char **argv, int first) {
+  const char *path = getenv("PD_CONFIG");
+  for (int i = first; i < argc; i++) {
+    if (!strcmp(argv[i], "--config") && i + 1 < argc) path = argv[i + 1];
+    else if (!strncmp(argv[i], "--config=", 9)) path = argv[i] + 9;
+  }
+  return path && *path ? path : NULL;
+}
+
 pd_status pd_opts_parse(const pd_opt *opts, int argc, char **argv, int first, pd_err *e) {
-  /* environment first: PD_MAX_TOKENS for --max-tokens */
+  /* a config file first, then the environment, then the command line: each later one wins */
+  const char *cfg = config_path(argc, argv, first);
+  if (cfg) {
+    pd_status st = apply_config(opts, cfg, e);
+    if (st) return st;
+  }
+  /* environment: PD_MAX_TOKENS for --max-tokens */
   for (const pd_opt *o = opts; o->name; o++) {
     char env[128] = "PD_";
     size_t j = 3;
@@ -78,6 +179,10 @@ pd_status pd_opts_parse(const pd_opt *opts, int argc, char **argv, int first, pd
       return pd_err_set(e, PD_EINVAL, "unexpected argument '%s'", a);
     const char *name = a + 2, *eq = strchr(name, '=');
     size_t len = eq ? (size_t)(eq - name) : strlen(name);
+    if (len == 6 && !strncmp(name, "config", 6)) { /* applied first, above */
+      if (!eq && ++i >= argc) return pd_err_set(e, PD_EINVAL, "option --config needs a value");
+      continue;
+    }
     const pd_opt *o = find(opts, name, len);
     if (!o) return pd_err_set(e, PD_EINVAL, "unknown option '--%.*s'", (int)len, name);
     if (o->type == PD_OPT_BOOL && !eq) {
@@ -103,4 +208,7 @@ void pd_opts_usage(FILE *f, const pd_opt *opts) {
              o->metavar ? o->metavar : "");
     fprintf(f, "  %-28s %s\n", left, o->help);
   }
+  fprintf(f, "  %-28s %s\n", "--config FILE",
+          "options from a JSON file, {\"option-name\": value, ...} (PD_* environment variables "
+          "and the command line win)");
 }

@@ -1,7 +1,9 @@
 /* Table-driven command-line flags, shared by pdctl and the node binaries.
  *
- * Every flag --some-name can also come from the environment as PD_SOME_NAME; the command line
- * wins. Values: --name VALUE or --name=VALUE; boolean flags take no value. */
+ * Every flag --some-name can also come from the environment as PD_SOME_NAME, and from a JSON
+ * config file given with --config FILE (or PD_CONFIG): {"some-name": value, ...}. The
+ * environment wins over the file and the command line over both. Values: --name VALUE or
+ * --name=VALUE; boolean flags take no value. */
 #ifndef PD_OPTS_H
 #define PD_OPTS_H
 
