@@ -1,6 +1,11 @@
-/* Status messages and dtype helpers shared by all libraries. */
+/* Status messages, failure reports and dtype helpers shared by all libraries. */
+#include <execinfo.h>
+#include <signal.h>
 #include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "pd/dtype.h"
 #include "pd/status.h"
@@ -40,6 +45,65 @@ void pd_err_clear(pd_err *e) {
     e->code = PD_OK;
     e->msg[0] = 0;
   }
+}
+
+void pd_backtrace(int fd) {
+  void *frames[64];
+  int n = backtrace(frames, 64);
+  /* Return addresses point after their calls, which for a call to a noreturn function at the
+   * end of a function is already the next function: step back into the call instruction. */
+  for (int i = 1; i < n; i++) frames[i] = (char *)frames[i] - 1;
+  backtrace_symbols_fd(frames, n, fd); /* no malloc: safe in a signal handler */
+}
+
+void pd_assert_fail(const char *cond, const char *file, int line) {
+  fprintf(stderr, "%s:%d: assertion failed: %s\nbacktrace:\n", file, line, cond);
+  fflush(stderr);
+  pd_backtrace(2);
+  signal(SIGABRT, SIG_DFL); /* the backtrace is printed: no second one from the handler */
+  abort();
+}
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define PD_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define PD_SANITIZED 1
+#endif
+#endif
+
+static const char *g_prog = "pdserve";
+
+static void on_fatal(int sig) {
+  /* async-signal-safe only: write(2) and backtrace_symbols_fd */
+  char msg[128];
+  int n = snprintf(msg, sizeof msg, "%s: fatal signal %d (%s); backtrace:\n", g_prog, sig,
+                   sig == SIGSEGV ? "segmentation fault" : sig == SIGABRT ? "abort" :
+                   sig == SIGBUS ? "bus error" : sig == SIGFPE ? "arithmetic" : "illegal");
+  if (n > 0 && write(2, msg, (size_t)n) < 0) {
+  }
+  pd_backtrace(2);
+  signal(sig, SIG_DFL); /* die of it as before (core dump, the parent's wait status) */
+  raise(sig);
+}
+
+void pd_crash_handlers_install(const char *prog) {
+#ifndef PD_SANITIZED
+  if (prog) g_prog = prog;
+  void *frames[1];
+  backtrace(frames, 1); /* loads libgcc's unwinder now, not inside a signal handler */
+  static const int sigs[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+  for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_fatal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESETHAND | SA_NODEFER;
+    sigaction(sigs[i], &sa, NULL);
+  }
+#else
+  (void)prog;
+#endif
 }
 
 const char *pd_status_str(pd_status s) {

@@ -323,6 +323,7 @@ int main(int argc, char **argv) {
   if (rc) return rc == 2 ? 0 : 1;
   pd_log_init("pd-router", r->o.verbose);
   signal(SIGPIPE, SIG_IGN);
+  pd_crash_handlers_install("pd-router");
   pd_err e = {0};
   pd_model_config cfg;
   if (pd_model_config_load(r->o.model_dir, &cfg, &e) != PD_OK ||

@@ -102,6 +102,7 @@ static void usage(void) {
 }
 
 int main(int argc, char **argv) {
+  pd_crash_handlers_install("pdctl");
   if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
     usage();
     return argc < 2 ? 2 : 0;

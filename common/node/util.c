@@ -208,6 +208,7 @@ static void on_signal(int sig) {
 }
 
 void pd_node_install_signals(void) {
+  pd_crash_handlers_install(g_prog);
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_signal;

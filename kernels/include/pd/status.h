@@ -42,13 +42,26 @@ void pd_err_prefix(pd_err *e, const char *fmt, ...) __attribute__((format(printf
 void pd_err_clear(pd_err *e);
 const char *pd_status_str(pd_status s);
 
+/* Prints "file:line: assertion failed: cond" and a backtrace of the calling thread to stderr,
+ * then aborts. */
+#ifdef __cplusplus
+[[noreturn]]
+#else
+_Noreturn
+#endif
+void pd_assert_fail(const char *cond, const char *file, int line);
 #define PD_ASSERT(cond)                                                                  \
   do {                                                                                   \
-    if (!(cond)) {                                                                       \
-      fprintf(stderr, "%s:%d: assertion failed: %s\n", __FILE__, __LINE__, #cond);       \
-      abort();                                                                           \
-    }                                                                                    \
+    if (!(cond)) pd_assert_fail(#cond, __FILE__, __LINE__);                              \
   } while (0)
+
+/* Writes a backtrace of the calling thread to fd (function names where the program exports
+ * them: programs link with -rdynamic; otherwise module and offset, for addr2line). */
+void pd_backtrace(int fd);
+/* For a program's main: on SIGSEGV, SIGBUS, SIGFPE, SIGILL and SIGABRT print "prog: fatal
+ * signal N" and a backtrace, then die of the signal as before. Nothing in a sanitizer build
+ * (the sanitizer reports these itself). */
+void pd_crash_handlers_install(const char *prog);
 
 #ifdef __cplusplus
 }
