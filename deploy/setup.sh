@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 pkgs=(build-essential cmake pkg-config xz-utils curl libpcre2-dev libutf8proc-dev libcjson-dev
-      libxxhash-dev libzmq3-dev libprotobuf-c-dev protobuf-c-compiler zlib1g-dev python3 python3-venv)
+      libxxhash-dev libcurl4-openssl-dev libzmq3-dev libprotobuf-c-dev protobuf-c-compiler zlib1g-dev
+      python3 python3-venv)
 if [ "${PD_SKIP_APT:-0}" != 1 ]; then
   missing=()
   for p in "${pkgs[@]}"; do

@@ -8,10 +8,9 @@
  * inter-token latency (ITL: the gaps between streamed chunks, pooled over requests), end-to-end
  * latency, request and token throughput, errors by kind.
  *
- * The HTTP/1.1 client is a single-threaded poll() loop over non-blocking sockets, one
- * connection per request (Connection: close), so the measuring client costs little CPU next to
- * the server on the same machine and all timestamps come from one clock (CLOCK_MONOTONIC).
- * Responses may be framed by Content-Length, chunked transfer coding or the connection's end.
+ * The client is libcurl's multi interface on one thread (http_client.h): the requests in flight
+ * share one poll loop, so the measuring client costs little CPU next to the server on the same
+ * machine, and every chunk is timed on arrival on one clock (CLOCK_MONOTONIC).
  *
  * Random prompts are token ids ("prompt": [ids]) so the input length is exact; ids are drawn
  * uniformly from the non-special ids of --tokenizer DIR when given, else from [10, --vocab-size).
@@ -19,511 +18,30 @@
  * exact too. */
 #include <cjson/cJSON.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <math.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "http_client.h"
 #include "pdctl.h"
 
-/* ============================================================================================
- * URL
- * ============================================================================================ */
-
-/* Parses http://host[:port][/prefix]. A trailing "/v1" in the path is dropped (the API paths
- * add it). */
-static pd_status parse_url(const char *url, pdctl_url *u, pd_err *e) {
-  memset(u, 0, sizeof *u);
-  if (strncasecmp(url, "http://", 7) != 0)
-    return pd_err_set(e, PD_EINVAL, "'%s': only http:// URLs are supported", url);
-  const char *h = url + 7, *end = h + strcspn(h, "/");
-  const char *hend, *colon;
-  if (*h == '[') { /* [ipv6]:port */
-    hend = memchr(h, ']', (size_t)(end - h));
-    if (!hend) return pd_err_set(e, PD_EINVAL, "'%s': bad IPv6 host", url);
-    h++;
-    colon = hend[1] == ':' ? hend + 1 : NULL;
-  } else {
-    colon = memchr(h, ':', (size_t)(end - h));
-    hend = colon ? colon : end;
-  }
-  if (hend == h || (size_t)(hend - h) >= sizeof u->host)
-    return pd_err_set(e, PD_EINVAL, "'%s': bad host", url);
-  memcpy(u->host, h, (size_t)(hend - h));
-  u->port = 80;
-  if (colon) {
-    char *pe;
-    long p = strtol(colon + 1, &pe, 10);
-    if (pe != end || p <= 0 || p > 65535) return pd_err_set(e, PD_EINVAL, "'%s': bad port", url);
-    u->port = (int)p;
-  }
-  size_t pl = strlen(end);
-  while (pl && end[pl - 1] == '/') pl--;
-  if (pl >= 3 && !strncmp(end + pl - 3, "/v1", 3)) pl -= 3;
-  if (pl >= sizeof u->prefix) return pd_err_set(e, PD_EINVAL, "'%s': path too long", url);
-  memcpy(u->prefix, end, pl);
-  return PD_OK;
-}
-
-static pd_status resolve(const pdctl_url *u, struct sockaddr_storage *sa, socklen_t *len,
-                         pd_err *e) {
-  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
-  struct addrinfo *res = NULL;
-  char port[16];
-  snprintf(port, sizeof port, "%d", u->port);
-  int r = getaddrinfo(u->host, port, &hints, &res);
-  if (r != 0 || !res) return pd_err_set(e, PD_ENOTFOUND, "%s: %s", u->host, gai_strerror(r));
-  memcpy(sa, res->ai_addr, res->ai_addrlen);
-  *len = res->ai_addrlen;
-  freeaddrinfo(res);
-  return PD_OK;
-}
-
-/* ============================================================================================
- * One HTTP exchange as a state machine over a non-blocking socket
- * ============================================================================================ */
-
-enum { ST_CONNECT, ST_SEND, ST_HEAD, ST_BODY, ST_DONE };
-enum { BODY_LENGTH, BODY_CHUNKED, BODY_CLOSE };
-enum { CH_SIZE, CH_DATA, CH_DATA_END, CH_TRAILER, CH_END };
-
-/* Error classes of a request, for the report. */
-enum {
-  ERR_NONE,
-  ERR_CONNECT,    /* socket, connect or send failed */
-  ERR_TIMEOUT,    /* the request's deadline passed */
-  ERR_HTTP,       /* a status other than 200 */
-  ERR_STREAM,     /* an error event in the stream */
-  ERR_INCOMPLETE, /* the connection ended before [DONE] */
-  ERR_PROTOCOL,   /* not HTTP, bad framing, bad JSON */
-  ERR_KINDS
-};
-static const char *const k_err_names[ERR_KINDS] = {"none",   "connect",    "timeout", "http",
-                                                   "stream", "incomplete", "protocol"};
-
-#define HEAD_MAX (64 * 1024)
+#define ERR_NONE PDCTL_HX_OK
+#define ERR_CONNECT PDCTL_HX_CONNECT
+#define ERR_TIMEOUT PDCTL_HX_TIMEOUT
+#define ERR_HTTP PDCTL_HX_HTTP
+#define ERR_STREAM PDCTL_HX_STREAM
+#define ERR_INCOMPLETE PDCTL_HX_INCOMPLETE
+#define ERR_PROTOCOL PDCTL_HX_PROTOCOL
+#define ERR_KINDS PDCTL_HX_KINDS
+#define k_err_names pdctl_hx_kind_names
 #define ERRBODY_MAX 2048
 
-typedef struct hx {
-  int fd, state;
-  char *out; /* request bytes */
-  size_t out_len, out_off;
-  char *head; /* response head until parsed */
-  size_t head_len;
-  int status;
-  int body_mode, ch_state;
-  long long body_left; /* BODY_LENGTH: bytes left; chunked: bytes left in the chunk */
-  char line[256];      /* chunk-size / trailer line */
-  size_t line_len;
-  /* sink: SSE parsing when sse (and status 200), else the body is kept (capped) */
-  bool sse;
-  char *body;
-  size_t body_len, body_cap, body_max;
-  char *ev; /* the SSE line being assembled */
-  size_t ev_len, ev_cap;
-  char *data; /* data: lines of the current event, joined by \n */
-  size_t data_len, data_cap;
-  void (*on_event)(struct hx *h, const char *data, size_t len, double t);
-  void *ud;
-  bool finished; /* the exchange is over (success or failure) */
-  int err;
-  char errmsg[160];
-} hx;
-
 static double now_s(void) { return pdctl_now(); }
-
-static void hx_fail(hx *h, int kind, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void hx_fail(hx *h, int kind, const char *fmt, ...) {
-  if (h->finished) return;
-  h->finished = true;
-  h->err = kind;
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(h->errmsg, sizeof h->errmsg, fmt, ap);
-  va_end(ap);
-}
-
-static bool grow(char **buf, size_t *cap, size_t need) {
-  if (need <= *cap) return true;
-  size_t c = *cap ? *cap : 256;
-  while (c < need) c *= 2;
-  char *t = realloc(*buf, c);
-  if (!t) return false;
-  *buf = t;
-  *cap = c;
-  return true;
-}
-
-static void hx_free(hx *h) {
-  if (h->fd >= 0) close(h->fd);
-  h->fd = -1;
-  free(h->out);
-  free(h->head);
-  free(h->body);
-  free(h->ev);
-  free(h->data);
-  h->out = h->head = h->body = h->ev = h->data = NULL;
-}
-
-/* Builds the request and starts a non-blocking connect. */
-static void hx_start(hx *h, const pdctl_url *u, const struct sockaddr_storage *sa,
-                     socklen_t sa_len, const char *method, const char *path, const char *body,
-                     const char *api_key) {
-  memset(h, 0, sizeof *h);
-  h->fd = -1;
-  h->body_max = ERRBODY_MAX;
-  size_t bl = body ? strlen(body) : 0;
-  size_t cap = bl + strlen(path) + strlen(u->prefix) + strlen(u->host) + 512 +
-               (api_key ? strlen(api_key) : 0);
-  h->out = malloc(cap);
-  if (!h->out) {
-    hx_fail(h, ERR_CONNECT, "out of memory");
-    return;
-  }
-  int n = snprintf(h->out, cap,
-                   "%s %s%s HTTP/1.1\r\nHost: %s:%d\r\nUser-Agent: pdctl-bench\r\n"
-                   "Accept: %s\r\nConnection: close\r\n",
-                   method, u->prefix, path, u->host, u->port,
-                   body ? "text/event-stream, application/json" : "*/*");
-  if (api_key) n += snprintf(h->out + n, cap - (size_t)n, "Authorization: Bearer %s\r\n", api_key);
-  if (body)
-    n += snprintf(h->out + n, cap - (size_t)n,
-                  "Content-Type: application/json\r\nContent-Length: %zu\r\n", bl);
-  n += snprintf(h->out + n, cap - (size_t)n, "\r\n");
-  if (body) memcpy(h->out + n, body, bl);
-  h->out_len = (size_t)n + bl;
-
-  h->fd = socket(sa->ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (h->fd < 0) {
-    hx_fail(h, ERR_CONNECT, "socket: %s", strerror(errno));
-    return;
-  }
-  int one = 1;
-  setsockopt(h->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  if (connect(h->fd, (const struct sockaddr *)sa, sa_len) == 0) {
-    h->state = ST_SEND;
-  } else if (errno == EINPROGRESS) {
-    h->state = ST_CONNECT;
-  } else {
-    hx_fail(h, ERR_CONNECT, "connect: %s", strerror(errno));
-  }
-}
-
-static short hx_events(const hx *h) {
-  return h->state == ST_CONNECT || h->state == ST_SEND ? POLLOUT : POLLIN;
-}
-
-/* ---- SSE: lines "field: value", events end at a blank line ---- */
-
-static void sse_line(hx *h, const char *l, size_t n, double t) {
-  if (n && l[n - 1] == '\r') n--;
-  if (n == 0) { /* dispatch */
-    if (h->data_len && h->on_event) h->on_event(h, h->data, h->data_len, t);
-    h->data_len = 0;
-    return;
-  }
-  if (n >= 5 && !memcmp(l, "data:", 5)) {
-    l += 5;
-    n -= 5;
-    if (n && *l == ' ') l++, n--;
-    size_t need = h->data_len + n + 2;
-    if (!grow(&h->data, &h->data_cap, need)) {
-      hx_fail(h, ERR_PROTOCOL, "out of memory");
-      return;
-    }
-    if (h->data_len) h->data[h->data_len++] = '\n';
-    memcpy(h->data + h->data_len, l, n);
-    h->data_len += n;
-    h->data[h->data_len] = 0;
-  } /* event:, id:, retry: and comments are not used by the API */
-}
-
-static void sink(hx *h, const char *p, size_t n, double t) {
-  if (h->sse && h->status == 200) {
-    while (n && !h->finished) {
-      const char *nl = memchr(p, '\n', n);
-      size_t take = nl ? (size_t)(nl - p) : n;
-      if (h->ev_len + take > (16u << 20)) {
-        hx_fail(h, ERR_PROTOCOL, "an SSE line longer than 16 MiB");
-        return;
-      }
-      if (!grow(&h->ev, &h->ev_cap, h->ev_len + take + 1)) {
-        hx_fail(h, ERR_PROTOCOL, "out of memory");
-        return;
-      }
-      memcpy(h->ev + h->ev_len, p, take);
-      h->ev_len += take;
-      if (nl) {
-        sse_line(h, h->ev, h->ev_len, t);
-        h->ev_len = 0;
-        take++;
-      }
-      p += take;
-      n -= take;
-    }
-    return;
-  }
-  size_t room = h->body_max > h->body_len ? h->body_max - h->body_len : 0;
-  if (n > room) n = room;
-  if (n && grow(&h->body, &h->body_cap, h->body_len + n + 1)) {
-    memcpy(h->body + h->body_len, p, n);
-    h->body_len += n;
-    h->body[h->body_len] = 0;
-  }
-}
-
-/* The body is complete. */
-static void body_end(hx *h, double t) {
-  if (h->ev_len) { /* a last line without its newline */
-    sse_line(h, h->ev, h->ev_len, t);
-    h->ev_len = 0;
-  }
-  if (h->sse && h->status == 200) sse_line(h, "", 0, t); /* an event without its blank line */
-  h->state = ST_DONE;
-  h->finished = true;
-}
-
-/* Feeds response body bytes through the transfer decoding. */
-static void body_bytes(hx *h, const char *p, size_t n, double t) {
-  while (n && !h->finished) {
-    if (h->body_mode == BODY_CLOSE) {
-      sink(h, p, n, t);
-      return;
-    }
-    if (h->body_mode == BODY_LENGTH) {
-      size_t take = (long long)n < h->body_left ? n : (size_t)h->body_left;
-      sink(h, p, take, t);
-      h->body_left -= (long long)take;
-      if (h->body_left == 0) body_end(h, t);
-      return;
-    }
-    /* chunked */
-    if (h->ch_state == CH_DATA) {
-      size_t take = (long long)n < h->body_left ? n : (size_t)h->body_left;
-      sink(h, p, take, t);
-      h->body_left -= (long long)take;
-      p += take;
-      n -= take;
-      if (h->body_left == 0) h->ch_state = CH_DATA_END;
-      continue;
-    }
-    /* line states: size line, CRLF after data, trailer lines */
-    const char *nl = memchr(p, '\n', n);
-    size_t take = nl ? (size_t)(nl - p) + 1 : n;
-    if (h->line_len + take >= sizeof h->line) {
-      hx_fail(h, ERR_PROTOCOL, "chunked framing: line too long");
-      return;
-    }
-    memcpy(h->line + h->line_len, p, take);
-    h->line_len += take;
-    p += take;
-    n -= take;
-    if (!nl) continue;
-    size_t ll = h->line_len - 1;
-    if (ll && h->line[ll - 1] == '\r') ll--;
-    h->line[ll] = 0;
-    h->line_len = 0;
-    if (h->ch_state == CH_DATA_END) {
-      if (ll != 0) {
-        hx_fail(h, ERR_PROTOCOL, "chunked framing: no CRLF after chunk data");
-        return;
-      }
-      h->ch_state = CH_SIZE;
-    } else if (h->ch_state == CH_SIZE) {
-      char *end;
-      errno = 0;
-      long long sz = strtoll(h->line, &end, 16);
-      if (end == h->line || errno || sz < 0 || (*end && *end != ';' && *end != ' ')) {
-        hx_fail(h, ERR_PROTOCOL, "chunked framing: bad chunk size '%.40s'", h->line);
-        return;
-      }
-      if (sz == 0) h->ch_state = CH_TRAILER;
-      else {
-        h->body_left = sz;
-        h->ch_state = CH_DATA;
-      }
-    } else if (h->ch_state == CH_TRAILER) {
-      if (ll == 0) {
-        body_end(h, t);
-        return;
-      }
-    }
-  }
-}
-
-/* Parses the response head once it is complete; hands what follows to the body. */
-static void head_bytes(hx *h, const char *p, size_t n, double t) {
-  char *nh = realloc(h->head, h->head_len + n + 1);
-  if (!nh) {
-    hx_fail(h, ERR_PROTOCOL, "out of memory");
-    return;
-  }
-  h->head = nh;
-  memcpy(h->head + h->head_len, p, n);
-  size_t old = h->head_len;
-  h->head_len += n;
-  h->head[h->head_len] = 0;
-  char *end = strstr(h->head + (old > 3 ? old - 3 : 0), "\r\n\r\n");
-  if (!end) {
-    if (h->head_len > HEAD_MAX) hx_fail(h, ERR_PROTOCOL, "response head over %d bytes", HEAD_MAX);
-    return;
-  }
-  size_t head_size = (size_t)(end - h->head) + 4;
-  int major = 0, minor = 0, status = 0;
-  if (sscanf(h->head, "HTTP/%d.%d %d", &major, &minor, &status) != 3 || major != 1 ||
-      status < 100 || status > 999) {
-    hx_fail(h, ERR_PROTOCOL, "not an HTTP/1.x response");
-    return;
-  }
-  h->status = status;
-  h->body_mode = BODY_CLOSE;
-  /* headers */
-  for (char *l = strstr(h->head, "\r\n") + 2; l < end; l = strstr(l, "\r\n") + 2) {
-    char *le = strstr(l, "\r\n");
-    *le = 0;
-    if (!strncasecmp(l, "Content-Length:", 15)) {
-      h->body_mode = BODY_LENGTH;
-      h->body_left = strtoll(l + 15, NULL, 10);
-      if (h->body_left < 0) h->body_left = 0;
-    } else if (!strncasecmp(l, "Transfer-Encoding:", 18) && strcasestr(l + 18, "chunked")) {
-      h->body_mode = BODY_CHUNKED;
-      h->ch_state = CH_SIZE;
-    }
-    *le = '\r';
-  }
-  if (h->body_mode == BODY_CHUNKED) h->body_left = 0;
-  if (status < 200 && status != 101) { /* 100 Continue: an interim answer; read the next */
-    size_t rest = h->head_len - head_size;
-    memmove(h->head, h->head + head_size, rest);
-    h->head_len = rest;
-    h->head[rest] = 0;
-    if (rest) {
-      char *copy = malloc(rest);
-      if (!copy) return;
-      memcpy(copy, h->head, rest);
-      h->head_len = 0;
-      head_bytes(h, copy, rest, t);
-      free(copy);
-    }
-    return;
-  }
-  h->state = ST_BODY;
-  size_t rest = h->head_len - head_size;
-  if (h->body_mode == BODY_LENGTH && h->body_left == 0) {
-    body_end(h, t);
-    return;
-  }
-  if (rest) body_bytes(h, h->head + head_size, rest, t);
-}
-
-/* Advances the exchange after poll said the socket is ready (revents). */
-static void hx_step(hx *h, short revents) {
-  double t = now_s();
-  if (h->finished) return;
-  if (h->state == ST_CONNECT) {
-    int err = 0;
-    socklen_t el = sizeof err;
-    if (getsockopt(h->fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0) err = errno;
-    if (err) {
-      hx_fail(h, ERR_CONNECT, "connect: %s", strerror(err));
-      return;
-    }
-    h->state = ST_SEND;
-  }
-  if (h->state == ST_SEND) {
-    while (h->out_off < h->out_len) {
-      ssize_t w = send(h->fd, h->out + h->out_off, h->out_len - h->out_off, MSG_NOSIGNAL);
-      if (w < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-        if (errno == EINTR) continue;
-        hx_fail(h, ERR_CONNECT, "send: %s", strerror(errno));
-        return;
-      }
-      h->out_off += (size_t)w;
-    }
-    h->state = ST_HEAD;
-    return;
-  }
-  if (!(revents & (POLLIN | POLLHUP | POLLERR))) return;
-  char buf[16384];
-  for (int rounds = 0; rounds < 64 && !h->finished; rounds++) {
-    ssize_t r = recv(h->fd, buf, sizeof buf, 0);
-    if (r < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      if (errno == EINTR) continue;
-      if (h->state == ST_BODY && h->body_mode == BODY_CLOSE) {
-        body_end(h, t);
-      } else {
-        hx_fail(h, ERR_INCOMPLETE, "recv: %s", strerror(errno));
-      }
-      return;
-    }
-    if (r == 0) {
-      if (h->state == ST_BODY && h->body_mode == BODY_CLOSE) body_end(h, t);
-      else
-        hx_fail(h, ERR_INCOMPLETE, "the server closed the connection %s",
-                h->state == ST_HEAD ? "before answering" : "in the middle of the body");
-      return;
-    }
-    if (h->state == ST_HEAD) head_bytes(h, buf, (size_t)r, t);
-    else body_bytes(h, buf, (size_t)r, t);
-  }
-}
-
-/* ---- one blocking exchange (GET /health, /v1/models, the warm-up request) ---- */
-
-int pdctl_http(const char *url, const char *method, const char *path, const char *body,
-               const char *api_key, int timeout_ms, char **resp, size_t *resp_len, pd_err *e) {
-  pdctl_url u;
-  struct sockaddr_storage sa;
-  socklen_t sl;
-  if (parse_url(url, &u, e) != PD_OK || resolve(&u, &sa, &sl, e) != PD_OK) return -1;
-  hx h;
-  hx_start(&h, &u, &sa, sl, method, path, body, api_key);
-  h.body_max = 8u << 20;
-  double deadline = now_s() + timeout_ms / 1000.0;
-  while (!h.finished) {
-    int left = (int)((deadline - now_s()) * 1000.0);
-    if (left <= 0) {
-      hx_fail(&h, ERR_TIMEOUT, "no complete answer within %d ms", timeout_ms);
-      break;
-    }
-    struct pollfd pf = {.fd = h.fd, .events = hx_events(&h)};
-    int r = poll(&pf, 1, left);
-    if (r < 0 && errno != EINTR) {
-      hx_fail(&h, ERR_CONNECT, "poll: %s", strerror(errno));
-      break;
-    }
-    if (r > 0) hx_step(&h, pf.revents);
-  }
-  int status = -1;
-  if (h.err) {
-    pd_err_set(e, PD_EIO, "%s %s%s: %s", method, url, path, h.errmsg);
-  } else {
-    status = h.status;
-    if (resp) {
-      *resp = h.body;
-      h.body = NULL;
-      if (!*resp) *resp = calloc(1, 1);
-    }
-    if (resp_len) *resp_len = h.body_len;
-  }
-  hx_free(&h);
-  return status;
-}
-
-pd_status pdctl_url_parse(const char *url, pdctl_url *u, pd_err *e) { return parse_url(url, u, e); }
 
 /* ============================================================================================
  * The benchmark
@@ -555,9 +73,7 @@ typedef struct bres {
 } bres;
 
 typedef struct bench {
-  pdctl_url u;
-  struct sockaddr_storage sa;
-  socklen_t sa_len;
+  const char *url; /* http[s]://host:port[/prefix] */
   const char *api_key, *model, *endpoint;
   bool chat;
   double temperature;
@@ -568,13 +84,13 @@ typedef struct bench {
 } bench;
 
 typedef struct slot {
-  hx h;
+  pdctl_hx h;
   int idx; /* request index, -1 when free */
   double deadline;
 } slot;
 
 /* One SSE event of request r. */
-static void on_event(hx *h, const char *data, size_t len, double t) {
+static void on_event(pdctl_hx *h, const char *data, size_t len, double t) {
   bench *b = ((void **)h->ud)[0];
   bres *r = ((void **)h->ud)[1];
   (void)len;
@@ -585,7 +101,7 @@ static void on_event(hx *h, const char *data, size_t len, double t) {
   }
   cJSON *j = cJSON_Parse(data);
   if (!j) {
-    hx_fail(h, ERR_PROTOCOL, "an SSE event that is not JSON: %.60s", data);
+    pdctl_hx_fail(h, ERR_PROTOCOL, "an SSE event that is not JSON: %.60s", data);
     return;
   }
   cJSON *err = cJSON_GetObjectItemCaseSensitive(j, "error");
@@ -628,7 +144,7 @@ static void on_event(hx *h, const char *data, size_t len, double t) {
           size_t cap = r->cap_itl ? 2 * r->cap_itl : 64;
           double *p = realloc(r->itl, cap * sizeof *p);
           if (!p) {
-            hx_fail(h, ERR_PROTOCOL, "out of memory");
+            pdctl_hx_fail(h, ERR_PROTOCOL, "out of memory");
             cJSON_Delete(j);
             return;
           }
@@ -677,7 +193,7 @@ static const char *api_path(const bench *b) {
 /* Classifies a finished exchange into r. */
 static void finish(bench *b, slot *s, double t) {
   bres *r = &b->res[s->idx];
-  hx *h = &s->h;
+  pdctl_hx *h = &s->h;
   if (r->e2e <= 0) r->e2e = t - r->t_start;
   if (h->err) {
     r->err = h->err;
@@ -691,7 +207,7 @@ static void finish(bench *b, slot *s, double t) {
     if (cJSON_IsString(m)) snprintf(msg, sizeof msg, "%s", m->valuestring);
     else if (h->body) snprintf(msg, sizeof msg, "%.100s", h->body);
     cJSON_Delete(j);
-    snprintf(r->errmsg, sizeof r->errmsg, "HTTP %d: %s", h->status, msg);
+    snprintf(r->errmsg, sizeof r->errmsg, "HTTP %ld: %s", h->status, msg);
   } else if (r->stream_err) {
     r->err = ERR_STREAM;
   } else if (!r->done_marker) {
@@ -704,7 +220,7 @@ static void finish(bench *b, slot *s, double t) {
     r->ok = true;
   }
   (void)b;
-  hx_free(h);
+  pdctl_hx_free(h);
   s->idx = -1;
 }
 
@@ -716,14 +232,12 @@ static void on_sigint(int sig) { (void)sig; g_stop = 1; }
 static double run(bench *b, int conc, double timeout_s, bool progress) {
   int max_slots = conc > 0 ? conc : b->n;
   slot *slots = calloc((size_t)max_slots, sizeof *slots);
-  struct pollfd *pfd = calloc((size_t)max_slots, sizeof *pfd);
   void **uds = calloc((size_t)max_slots * 2, sizeof *uds);
-  int *map = calloc((size_t)max_slots, sizeof *map);
-  if (!slots || !pfd || !uds || !map) {
+  CURLM *multi = curl_multi_init();
+  if (!slots || !uds || !multi) {
     free(slots);
-    free(pfd);
     free(uds);
-    free(map);
+    if (multi) curl_multi_cleanup(multi);
     fprintf(stderr, "pdctl: out of memory\n");
     return -1;
   }
@@ -738,7 +252,8 @@ static double run(bench *b, int conc, double timeout_s, bool progress) {
     if (g_stop) { /* Ctrl-C: fail what is running, skip the rest */
       for (int i = 0; i < max_slots; i++)
         if (slots[i].idx >= 0) {
-          hx_fail(&slots[i].h, ERR_TIMEOUT, "interrupted");
+          curl_multi_remove_handle(multi, slots[i].h.curl);
+          pdctl_hx_fail(&slots[i].h, ERR_TIMEOUT, "interrupted");
           finish(b, &slots[i], t);
           done++, failed++;
         }
@@ -756,63 +271,70 @@ static double run(bench *b, int conc, double timeout_s, bool progress) {
       slot *s = &slots[k];
       bres *r = &b->res[next];
       char *body = request_body(b, &b->prompts[next]);
-      r->t_start = now_s();
       r->ttft = -1;
       r->prompt_tokens = r->completion_tokens = -1;
-      hx_start(&s->h, &b->u, &b->sa, b->sa_len, "POST", api_path(b), body, b->api_key);
+      pd_err e = {0};
+      pd_status st = body ? pdctl_hx_init(&s->h, b->url, "POST", api_path(b), body, b->api_key,
+                                          timeout_s, &e)
+                          : pd_err_set(&e, PD_ENOMEM, "out of memory");
       free(body);
       s->h.sse = true;
+      s->h.body_max = ERRBODY_MAX;
       s->h.on_event = on_event;
       uds[2 * k] = b;
       uds[2 * k + 1] = r;
       s->h.ud = &uds[2 * k];
       s->idx = next;
-      s->deadline = r->t_start + timeout_s;
       running++;
       next++;
-      if (s->h.finished) {
+      r->t_start = now_s();
+      if (st == PD_OK && curl_multi_add_handle(multi, s->h.curl) != CURLM_OK)
+        st = pd_err_set(&e, PD_EIO, "libcurl refused the request");
+      if (st != PD_OK) {
+        pdctl_hx_fail(&s->h, ERR_CONNECT, "%s", e.msg);
         finish(b, s, now_s());
         running--, done++;
         failed += !b->res[next - 1].ok;
       }
     }
-    /* wait for I/O, the next arrival, a deadline or the progress tick */
-    int np = 0;
+    /* let curl move the transfers; wake for the next arrival and the progress tick */
     double wake = t + 0.25;
     if (next < b->n && running < max_slots && b->t0 + b->res[next].t_sched < wake)
       wake = b->t0 + b->res[next].t_sched;
-    for (int i = 0; i < max_slots; i++) {
-      if (slots[i].idx < 0) continue;
-      pfd[np].fd = slots[i].h.fd;
-      pfd[np].events = hx_events(&slots[i].h);
-      pfd[np].revents = 0;
-      map[np++] = i;
-      if (slots[i].deadline < wake) wake = slots[i].deadline;
-    }
     int ms = (int)ceil((wake - now_s()) * 1000.0);
     if (ms < 0) ms = 0;
-    int pr = poll(pfd, (nfds_t)np, ms);
-    t = now_s();
-    if (pr < 0 && errno != EINTR) {
-      fprintf(stderr, "pdctl: poll: %s\n", strerror(errno));
+    int active = 0;
+    if (running > 0 && curl_multi_poll(multi, NULL, 0, ms, NULL) != CURLM_OK) {
+      fprintf(stderr, "pdctl: curl_multi_poll failed\n");
       g_stop = 1;
       continue;
     }
-    for (int j = 0; j < np && pr > 0; j++) {
-      slot *s = &slots[map[j]];
-      if (pfd[j].revents) hx_step(&s->h, pfd[j].revents);
+    if (running == 0 && ms > 0) {
+      struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+      nanosleep(&ts, NULL);
     }
-    for (int i = 0; i < max_slots; i++) {
-      slot *s = &slots[i];
-      if (s->idx < 0) continue;
-      if (!s->h.finished && t >= s->deadline)
-        hx_fail(&s->h, ERR_TIMEOUT, "no complete answer within %.0f s", timeout_s);
-      if (s->h.finished) {
-        int idx = s->idx;
-        finish(b, s, t);
-        running--, done++;
-        if (!b->res[idx].ok) failed++;
-      }
+    curl_multi_perform(multi, &active);
+    t = now_s();
+    CURLMsg *m;
+    int left;
+    while ((m = curl_multi_info_read(multi, &left))) {
+      if (m->msg != CURLMSG_DONE) continue;
+      pdctl_hx *h = NULL;
+      curl_easy_getinfo(m->easy_handle, CURLINFO_PRIVATE, (char **)&h);
+      slot *s = NULL;
+      for (int i = 0; i < max_slots && !s; i++)
+        if (slots[i].idx >= 0 && &slots[i].h == h) s = &slots[i];
+      if (!s) continue;
+      CURLcode rc = m->data.result;
+      curl_multi_remove_handle(multi, s->h.curl); /* m is invalid from here on */
+      pdctl_hx_done(&s->h, rc);
+      if (s->h.err == ERR_TIMEOUT)
+        snprintf(s->h.errmsg, sizeof s->h.errmsg, "no complete answer within %.0f s",
+                 timeout_s);
+      int idx = s->idx;
+      finish(b, s, t);
+      running--, done++;
+      if (!b->res[idx].ok) failed++;
     }
     if (progress) {
       if (tty && t - last_prog >= 0.25) {
@@ -830,10 +352,9 @@ static double run(bench *b, int conc, double timeout_s, bool progress) {
   if (progress && tty)
     fprintf(stderr, "\rbench: %d/%d done, %d failed, %.1f s          \n", done, b->n, failed,
             wall);
+  curl_multi_cleanup(multi);
   free(slots);
-  free(pfd);
   free(uds);
-  free(map);
   return wall;
 }
 
@@ -1237,8 +758,9 @@ int cmd_bench(int argc, char **argv) {
   if (!url) return pdctl_fail("bench needs --url http://HOST:PORT");
   bench b;
   memset(&b, 0, sizeof b);
-  if (parse_url(url, &b.u, &e) != PD_OK || resolve(&b.u, &b.sa, &b.sa_len, &e) != PD_OK)
-    return pdctl_fail("--url: %s", e.msg);
+  if (strncasecmp(url, "http://", 7) && strncasecmp(url, "https://", 8))
+    return pdctl_fail("--url: '%s': only http:// and https:// URLs are supported", url);
+  b.url = url;
   if (strcmp(endpoint, "completions") && strcmp(endpoint, "chat"))
     return pdctl_fail("--endpoint must be completions or chat");
   b.chat = !strcmp(endpoint, "chat");

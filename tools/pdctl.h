@@ -21,16 +21,9 @@ int cmd_cluster(int argc, char **argv); /* cmd_cluster.c: up, status, down */
 int cmd_client(int argc, char **argv);  /* cmd_client.c: the ZeroMQ client API */
 int cmd_bench(int argc, char **argv);   /* cmd_bench.c: serving benchmark over HTTP */
 
-/* http://host[:port][/prefix] (cmd_bench.c). */
-typedef struct pdctl_url {
-  char host[256];
-  int port;
-  char prefix[256]; /* path before /v1/..., "" normally */
-} pdctl_url;
-pd_status pdctl_url_parse(const char *url, pdctl_url *u, pd_err *e);
-/* One blocking HTTP/1.1 exchange with url's server (cmd_bench.c): method path [body as JSON].
- * Returns the status code and the body (malloc'ed, NUL-terminated, at most 8 MiB kept) in
- * *resp (may be NULL), or -1 with a message when no answer came within timeout_ms. */
+/* One blocking HTTP exchange with url's server (http_client.c, on libcurl): method path [body
+ * as JSON]. Returns the status code and the body (malloc'ed, NUL-terminated, at most 8 MiB kept)
+ * in *resp (may be NULL), or -1 with a message when no answer came within timeout_ms. */
 int pdctl_http(const char *url, const char *method, const char *path, const char *body,
                const char *api_key, int timeout_ms, char **resp, size_t *resp_len, pd_err *e);
 #endif
