@@ -61,9 +61,26 @@ static const pd_opt *find(const pd_opt *opts, const char *name, size_t len) {
   return NULL;
 }
 
+/* String values from config files: options point into them for the rest of the process
+ * (options are parsed once), so they are kept here, reachable, rather than freed. */
+static char **g_kept;
+static size_t g_n_kept, g_cap_kept;
+
+static char *keep_string(const char *v) {
+  if (g_n_kept == g_cap_kept) {
+    size_t cap = g_cap_kept ? 2 * g_cap_kept : 16;
+    char **k = realloc(g_kept, cap * sizeof *k);
+    if (!k) return NULL;
+    g_kept = k;
+    g_cap_kept = cap;
+  }
+  char *s = strdup(v);
+  if (s) g_kept[g_n_kept++] = s;
+  return s;
+}
+
 /* --config FILE: {"flag-name": value, ...}. Values are JSON strings, numbers or booleans and go
- * through the same conversion and checks as command-line values. The strings the options keep
- * point into a copy that lives for the rest of the process (options are parsed once). */
+ * through the same conversion and checks as command-line values. */
 static pd_status apply_config(const pd_opt *opts, const char *path, pd_err *e) {
   FILE *f = fopen(path, "rb");
   if (!f) return pd_err_set(e, PD_EIO, "--config %s: cannot read it: %s", path, strerror(errno));
@@ -128,15 +145,14 @@ static pd_status apply_config(const pd_opt *opts, const char *path, pd_err *e) {
                       path, it->string);
       break;
     }
-    char *keep = strdup(v); /* lives for the process: string options point into it */
-    if (!keep) {
+    const char *val = o->type == PD_OPT_STR ? keep_string(v) : v;
+    if (!val) {
       st = pd_err_set(e, PD_ENOMEM, "--config %s: out of memory", path);
       break;
     }
     char from[256];
     snprintf(from, sizeof from, "--config %s:", path);
-    st = set_value(o, keep, from, e);
-    if (o->type != PD_OPT_STR) free(keep);
+    st = set_value(o, val, from, e);
     if (st) break;
   }
   cJSON_Delete(root);

@@ -45,10 +45,12 @@ static int run_child(void (*fn)(void), char *out, size_t cap) {
 }
 
 static void child_assert(void) { pd_test_assert_here(2); }
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 static void child_segv(void) {
   pd_crash_handlers_install("test_failure_report");
   pd_test_segv_here();
 }
+#endif
 
 int main(void) {
   static char out[65536];
