@@ -552,7 +552,7 @@ pd_status pd_http_respond(pd_http_req *r, int status, const char *content_type,
 
 pd_status pd_http_respond_error(pd_http_req *r, int status, const char *message,
                                 const char *type, const char *code, pd_err *e) {
-  char *json = pd_http_error_json(message, type ? type : pd_http_error_type(status), code);
+  char *json = pd_http_error_json(message, type ? type : pd_http_error_type(status), code, NULL);
   if (!json) return pd_err_set(e, PD_ENOMEM, "http: out of memory");
   pd_status st = pd_http_respond(r, status, "application/json", NULL, 0, json, strlen(json), e);
   free(json);
@@ -771,7 +771,7 @@ static void conn_timed_out(conn *c, timer_kind k) {
         s->st.responses_error++;
         char *json = pd_http_error_json(c->state == CS_HEAD ? "timed out reading the request head"
                                                             : "timed out reading the request body",
-                                        pd_http_error_type(408), NULL);
+                                        pd_http_error_type(408), NULL, NULL);
         if (!json) break;
         pd_http_req fake = {.msg.version_minor = 1};
         c->close_after = true;
@@ -805,7 +805,7 @@ static void conn_error(conn *c, int status, const char *msg) {
   c->srv->st.responses_error++;
   c->close_after = true;
   c->pend_off = c->pend_len = 0; /* whatever follows a malformed request is not parsed */
-  char *json = pd_http_error_json(msg, pd_http_error_type(status), NULL);
+  char *json = pd_http_error_json(msg, pd_http_error_type(status), NULL, NULL);
   pd_http_req fake = {.msg.version_minor = 1};
   size_t len = json ? strlen(json) : 0;
   if (write_head(c, &fake, status, json ? "application/json" : NULL, NULL, 0, F_LENGTH, len,

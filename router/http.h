@@ -248,10 +248,11 @@ const char *pd_http_reason(int status);
  * "authentication_error", 403 "permission_error", 404 "not_found_error", 429
  * "rate_limit_error"; everything else "server_error". */
 const char *pd_http_error_type(int status);
-/* The OpenAI-style error body {"error":{"message":..,"type":..,"param":null,"code":..}}
- * (malloc'ed, NUL-terminated; free() it), with type NULL -> "server_error" and code NULL ->
- * null. NULL on allocation failure. */
-char *pd_http_error_json(const char *message, const char *type, const char *code);
+/* The OpenAI-style error body {"error":{"message":..,"type":..,"param":..,"code":..}}
+ * (malloc'ed, NUL-terminated; free() it), with type NULL -> "server_error", and code or param
+ * NULL (or "" for param) -> null. NULL on allocation failure. */
+char *pd_http_error_json(const char *message, const char *type, const char *code,
+                         const char *param);
 
 #ifdef __cplusplus
 }

@@ -38,7 +38,7 @@ void router_gc(router *r) {
 }
 
 char *router_error_json(int status, const char *msg, const char *code) {
-  return pd_http_error_json(msg, pd_http_error_type(status), code);
+  return pd_http_error_json(msg, pd_http_error_type(status), code, NULL);
 }
 
 /* ---- ZeroMQ on the event loop ---- */

@@ -494,7 +494,7 @@ static void test_helpers(void) {
   CHECK(strcmp(pd_http_error_type(500), "server_error") == 0);
 
   const char *msg = "bad \"prompt\"\n\t\\ \x01 caf\xc3\xa9";
-  char *js = pd_http_error_json(msg, "invalid_request_error", "context_length_exceeded");
+  char *js = pd_http_error_json(msg, "invalid_request_error", "context_length_exceeded", "");
   REQUIRE(js);
   cJSON *root = cJSON_Parse(js);
   REQUIRE(root);
@@ -507,13 +507,23 @@ static void test_helpers(void) {
   CHECK(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(err, "param")));
   cJSON_Delete(root);
   free(js);
-  js = pd_http_error_json("x", NULL, NULL);
+  js = pd_http_error_json("x", NULL, NULL, NULL);
   REQUIRE(js);
   root = cJSON_Parse(js);
   REQUIRE(root);
   err = cJSON_GetObjectItemCaseSensitive(root, "error");
+  CHECK(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(err, "param")));
   CHECK(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(err, "code")));
   CHECK(strcmp(cJSON_GetObjectItemCaseSensitive(err, "type")->valuestring, "server_error") == 0);
+  cJSON_Delete(root);
+  free(js);
+  js = pd_http_error_json("x", NULL, NULL, "messages.[0].content"); /* the parameter at fault */
+  REQUIRE(js);
+  root = cJSON_Parse(js);
+  REQUIRE(root);
+  err = cJSON_GetObjectItemCaseSensitive(root, "error");
+  CHECK(cJSON_IsString(cJSON_GetObjectItemCaseSensitive(err, "param")) &&
+        !strcmp(cJSON_GetObjectItemCaseSensitive(err, "param")->valuestring, "messages.[0].content"));
   cJSON_Delete(root);
   free(js);
 }
