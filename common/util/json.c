@@ -291,17 +291,20 @@ static int cmp_keys(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-/* A key that occurs twice among obj's members, or NULL. Small objects compare pairwise, large
- * ones (logit_bias) sort a copy of their keys, so no input costs quadratic time. */
+/* Whether key is among the members of obj so far (the first SMALL_OBJECT members are checked
+ * this way as they arrive, so the error points at the repeated key). */
+#define SMALL_OBJECT 16
+static bool has_key(const cJSON *obj, const char *key) {
+  for (const cJSON *a = obj->child; a; a = a->next)
+    if (!strcmp(a->string, key)) return true;
+  return false;
+}
+
+/* A key that occurs twice among the n members of a large object (logit_bias), or NULL: a sorted
+ * copy of the keys, so no input costs quadratic time. */
 static const char *duplicate_key(parser *p, const cJSON *obj, int n, bool *nomem) {
   *nomem = false;
-  if (n < 2) return NULL;
-  if (n <= 16) {
-    for (const cJSON *a = obj->child; a; a = a->next)
-      for (const cJSON *b = a->next; b; b = b->next)
-        if (!strcmp(a->string, b->string)) return a->string;
-    return NULL;
-  }
+  if (n <= SMALL_OBJECT) return NULL; /* checked member by member */
   const char **keys = malloc((size_t)n * sizeof *keys);
   if (!keys) {
     *nomem = true;
@@ -341,9 +344,15 @@ static cJSON *parse_object(parser *p) {
                                            : "expected a string key in an object");
       goto fail;
     }
-    size_t klen;
+    size_t klen, kat = p->i;
     char *key = parse_string(p, depth, &klen);
     if (!key) goto fail;
+    if (n < SMALL_OBJECT && has_key(obj, key)) {
+      p->path[depth] = (seg){key, 0};
+      fail_at(p, kat, depth + 1, "duplicate key \"%.60s\"", key);
+      cJSON_free(key);
+      goto fail;
+    }
     skip_ws(p);
     if (p->i >= p->n || p->s[p->i] != ':') {
       fail_at(p, p->i, depth, "expected ':' after the key \"%.60s\"", key);

@@ -215,6 +215,10 @@ int main(void) {
            e.msg, c->msg);
     CHECKF(e.offset <= len, "case %zu: offset %zu beyond %zu", i, e.offset, len);
   }
+  /* the offset of a refusal points at the fault: here the repeated key */
+  pd_json_error e;
+  CHECK(!pd_json_parse("{\"a\": 1, \"a\": 2}", 16, &e) && e.offset == 9);
+  CHECK(!pd_json_parse("[1, 2] x", 8, &e) && e.offset == 7);
   accepts();
   depth();
   big_objects();
