@@ -976,6 +976,10 @@ static void conn_drive(conn *c) {
         conn_dispatch(c);
         break;
       case PD_HTTP_PARSE_ERROR:
+        if (!pd_http_parser_error_status(c->parser)) { /* not HTTP: no answer would be read */
+          s->st.responses_error++;
+          goto close;
+        }
         conn_error(c, pd_http_parser_error_status(c->parser), pd_http_parser_error_msg(c->parser));
         break;
     }

@@ -219,7 +219,10 @@ pd_http_parse_result pd_http_parser_feed(pd_http_parser *p, const void *data, si
 const pd_http_request *pd_http_parser_request(const pd_http_parser *p);
 /* Whether any byte of the current request has arrived (leading blank lines included). */
 bool pd_http_parser_started(const pd_http_parser *p);
-/* After ERROR: the status to answer (400, 413, 414, 417, 431, 500, 501, 505), and why. */
+/* After ERROR: the status to answer (400, 413, 414, 417, 431, 500, 501, 505), and why; 0 when
+ * the bytes are not HTTP at all and no answer would be understood (a TLS handshake): close at
+ * once. Bytes that cannot start a request line (a method is 1 to 32 token characters) are
+ * refused as they arrive, not when a head that never ends times out. */
 int pd_http_parser_error_status(const pd_http_parser *p);
 const char *pd_http_parser_error_msg(const pd_http_parser *p);
 
