@@ -99,6 +99,12 @@ typedef struct pd_http_config {
   uint32_t idle_timeout_ms;   /* keep-alive: from the end of a response to the next request */
   uint32_t send_timeout_ms;   /* with output queued: longest time without send progress */
   uint32_t linger_ms;         /* after a closing response: drain the client's input this long */
+  /* CORS (off when NULL or ""): "*" or a comma-separated list of origins allowed to call the
+   * server from a browser (the string must outlive the server). When set, the server answers
+   * preflights (OPTIONS with Origin and Access-Control-Request-Method) itself, 200 or 400, and
+   * adds Access-Control-Allow-Origin (and Vary: Origin for a list) to every response to an
+   * allowed Origin, as Starlette's CORSMiddleware does for vLLM. */
+  const char *allowed_origins;
   pd_http_handler_fn on_request; /* required */
   void *ud;                      /* passed to on_request */
 } pd_http_config;

@@ -220,6 +220,9 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
       {"client-port", PD_OPT_INT, &o->client_port, "N",
        "ZeroMQ client API port (5601; -1 = off)", NULL},
       {"api-key", PD_OPT_STR, &o->api_key, "KEY", "require Authorization: Bearer KEY", NULL},
+      {"allowed-origins", PD_OPT_STR, &o->allowed_origins, "LIST",
+       "CORS: origins allowed to call the HTTP API from a browser, comma-separated, or * for "
+       "any (off)", NULL},
       {"max-queue", PD_OPT_INT, &o->max_queue, "N", "choices waiting for capacity before 429 "
        "(256)", NULL},
       {"max-n", PD_OPT_INT, &o->max_n, "N", "largest n (16)", NULL},
@@ -405,6 +408,7 @@ int main(int argc, char **argv) {
   hc.max_connections_per_ip = r->o.max_connections_per_ip;
   hc.busy_timeout_ms = (uint32_t)r->o.busy_timeout_ms;
   hc.limits.max_body_bytes = (size_t)r->o.max_body_mb << 20;
+  hc.allowed_origins = r->o.allowed_origins;
   hc.on_request = api_http_handler;
   hc.ud = r;
   r->http = pd_http_server_new(r->loop, &hc, &e);

@@ -45,6 +45,7 @@ typedef struct api_prep api_prep;
 typedef struct router_opts {
   const char *model_dir, *served_name, *host, *bind, *api_key, *ready_file;
   const char *curve_secret_file, *curve_secret_key, *curve_allow_file;
+  const char *allowed_origins; /* CORS: NULL = off */
   int port, cluster_port, client_port;
   int max_queue, max_n, default_max_tokens, max_body_mb, max_connections, max_model_len;
   int max_connections_per_ip, busy_timeout_ms, max_prompt_mb, tokenizer_threads;
