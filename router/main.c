@@ -223,8 +223,8 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
       {"allowed-origins", PD_OPT_STR, &o->allowed_origins, "LIST",
        "CORS: origins allowed to call the HTTP API from a browser, comma-separated, or * for "
        "any (off)", NULL},
-      {"max-queue", PD_OPT_INT, &o->max_queue, "N", "choices waiting for capacity before 429 "
-       "(256)", NULL},
+      {"max-queue", PD_OPT_INT, &o->max_queue, "N", "choices waiting for capacity, and prompts "
+       "waiting for the tokenizer, before 429; a request of more choices is a 400 (256)", NULL},
       {"max-n", PD_OPT_INT, &o->max_n, "N", "largest n (16)", NULL},
       {"default-max-tokens", PD_OPT_INT, &o->default_max_tokens, "N",
        "max_tokens of completions when absent (16)", NULL},
