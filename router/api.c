@@ -402,9 +402,7 @@ static int check_model(router *r, rreq *q, const cJSON *body, char *msg, size_t 
 /* Fields common to completions, chat and /generate. Returns 0 or an HTTP status (q->err_param
  * names the field). */
 static int parse_common(router *r, rreq *q, const cJSON *body, int default_max, char *msg,
-                        size_t cap, const char **code) {
-  int st = check_model(r, q, body, msg, cap, code);
-  if (st) return st;
+                        size_t cap) {
   pd_err e = {0};
   const char *param = NULL;
   if (pd_oai_params_parse(body, default_max, &q->op, &param, &e) != PD_OK)
@@ -994,141 +992,144 @@ void api_http_reply(router *r, rreq *q, const char *json, size_t len) {
   router_retire(r, q);
 }
 
-/* The body of req as a strict JSON object and a request that holds req, or false when the
- * request was answered already (refused, or the client gone). */
-static bool http_req_begin(router *r, pd_http_req *req, const pd_http_request *msg,
-                           api_kind kind, cJSON **body, rreq **q) {
-  char err[1024], param[128];
-  *q = NULL;
-  if (!(*body = parse_body(msg, err, sizeof err, param, sizeof param))) {
-    respond_err(r, req, kind, strcmp(err, "out of memory") ? 400 : 500, err, NULL, param);
+/* One HTTP API call being taken in: its request, its strict JSON body, the job its input goes
+ * into, and its refusal so far (st: 0 or an HTTP status, with err and code). */
+typedef struct http_call {
+  rreq *q;
+  cJSON *body;
+  api_prep *p;
+  int st;
+  const char *code;
+  char err[1024];
+} http_call;
+
+/* Parses req's body and makes the request that holds req and its job, and checks the body's
+ * "model". false when req was answered already (a refused body, or the client gone). */
+static bool call_begin(router *r, pd_http_req *req, const pd_http_request *msg, api_kind kind,
+                       http_call *h) {
+  char param[128];
+  memset(h, 0, sizeof *h);
+  if (!(h->body = parse_body(msg, h->err, sizeof h->err, param, sizeof param))) {
+    respond_err(r, req, kind, strcmp(h->err, "out of memory") ? 400 : 500, h->err, NULL, param);
     return false;
   }
-  if (!(*q = api_req_new(r, kind))) {
+  if (!(h->q = api_req_new(r, kind))) {
     respond_err(r, req, kind, 500, "out of memory", NULL, NULL);
-  } else if (api_http_hold(*q, req) != PD_OK) {
-    api_cancel(r, *q);
-    *q = NULL;
+  } else if (api_http_hold(h->q, req) != PD_OK) {
+    api_cancel(r, h->q);
+    h->q = NULL;
   }
-  if (!*q) {
-    cJSON_Delete(*body);
+  if (!h->q) {
+    cJSON_Delete(h->body);
     return false;
   }
+  h->p = api_prep_new(r, h->q, http_refuse);
+  h->st = h->p ? check_model(r, h->q, h->body, h->err, sizeof h->err, &h->code) : 500;
   return true;
 }
 
-/* The end of a handler that parsed q's input into p (status st): submits p, or refuses q. */
-static void http_req_submit(router *r, rreq *q, api_prep *p, int st, char *err, size_t cap,
-                            const char *code) {
-  if (!st) {
-    st = api_prep_submit(p, err, cap, &code);
-    if (!st) return; /* it goes on from the pool (perhaps already did) */
-    p = NULL;
+/* The job takes over the body (the prompts and messages point into it); returns it. */
+static const cJSON *call_own_body(http_call *h) {
+  const cJSON *b = h->body;
+  api_prep_own_json(h->p, h->body);
+  h->body = NULL;
+  return b;
+}
+
+/* Submits the job, or refuses the request with h's status. */
+static void call_end(router *r, http_call *h) {
+  cJSON_Delete(h->body);
+  if (!h->st) {
+    h->st = api_prep_submit(h->p, h->err, sizeof h->err, &h->code);
+    if (!h->st) return; /* it goes on from the pool (perhaps already did) */
+    h->p = NULL;
   }
-  api_prep_free(p);
-  http_refuse(r, q, st, err, code);
+  api_prep_free(h->p);
+  http_refuse(r, h->q, h->st, h->err, h->code);
 }
 
 /* Validates and parses the body here (about 3 ms per MB), then hands the prompts to the worker
  * pool: tokenizing and chat templates cost about 0.2 s per MB and would stall every client. */
 static void handle_generation(router *r, pd_http_req *req, const pd_http_request *msg,
                               api_kind kind) {
-  char err[1024] = "";
-  const char *code = NULL;
-  cJSON *body;
-  rreq *q;
-  if (!http_req_begin(r, req, msg, kind, &body, &q)) return;
-  api_prep *p = api_prep_new(r, q, http_refuse);
+  http_call h;
+  if (!call_begin(r, req, msg, kind, &h)) return;
+  rreq *q = h.q;
   int default_max = kind == API_CHAT ? -1 : r->o.default_max_tokens;
-  int st = p ? parse_common(r, q, body, default_max, err, sizeof err, &code) : 500;
-  if (!st && kind == API_COMPLETIONS) {
-    if (!get_bool(q, body, "echo", "echo", &q->echo, err, sizeof err)) st = 400;
-    const cJSON *suffix = field(body, "suffix");
-    if (!st && suffix && (!cJSON_IsString(suffix) || suffix->valuestring[0]))
-      st = refuse_param(q, err, sizeof err, 400, "suffix", "'suffix' is not supported");
+  if (!h.st) h.st = parse_common(r, q, h.body, default_max, h.err, sizeof h.err);
+  if (!h.st && kind == API_COMPLETIONS) {
+    if (!get_bool(q, h.body, "echo", "echo", &q->echo, h.err, sizeof h.err)) h.st = 400;
+    const cJSON *suffix = field(h.body, "suffix");
+    if (!h.st && suffix && (!cJSON_IsString(suffix) || suffix->valuestring[0]))
+      h.st = refuse_param(q, h.err, sizeof h.err, 400, "suffix", "'suffix' is not supported");
     /* vLLM: echo with logprobs gives the prompt's tokens their logprobs too, so the prefill
      * node computes them (and the choices carry prompt_logprobs, as there) */
-    if (!st && q->echo && q->lp_top >= 0 && q->op.p.prompt_logprobs < 0) {
+    if (!h.st && q->echo && q->lp_top >= 0 && q->op.p.prompt_logprobs < 0) {
       q->op.p.prompt_logprobs = q->lp_top;
       q->want_prompt_lp = true;
     }
   }
-  if (!st) {
-    const cJSON *b = body;
-    api_prep_own_json(p, body); /* the prompts and messages point into it */
-    body = NULL;
+  if (!h.st) {
+    const cJSON *b = call_own_body(&h);
     if (kind == API_CHAT)
-      st = parse_chat_messages(q, p, b, false, err, sizeof err);
+      h.st = parse_chat_messages(q, h.p, b, false, h.err, sizeof h.err);
     else if (kind == API_GENERATE && !cJSON_IsString(field(b, "prompt")))
-      st = refuse_param(q, err, sizeof err, 400, "prompt", "'prompt' must be a string");
+      h.st = refuse_param(q, h.err, sizeof h.err, 400, "prompt", "'prompt' must be a string");
     else
-      st = parse_completion_prompt(q, p, b, err, sizeof err);
+      h.st = parse_completion_prompt(q, h.p, b, h.err, sizeof h.err);
   }
-  cJSON_Delete(body);
-  http_req_submit(r, q, p, st, err, sizeof err, code);
+  call_end(r, &h);
 }
 
 /* POST /tokenize (vLLM): {"prompt"} or {"messages"} into {"count", "max_model_len", "tokens"}
  * (and "token_strs" with return_token_strs), tokenized in the worker pool like any prompt. */
 static void handle_tokenize(router *r, pd_http_req *req, const pd_http_request *msg) {
-  char err[1024] = "";
-  const char *code = NULL;
-  cJSON *body;
-  rreq *q;
-  if (!http_req_begin(r, req, msg, API_TOKENIZE, &body, &q)) return;
-  api_prep *p = api_prep_new(r, q, http_refuse);
-  int st = p ? check_model(r, q, body, err, sizeof err, &code) : 500;
-  bool chat = field(body, "messages") != NULL, strs = false;
+  http_call h;
+  if (!call_begin(r, req, msg, API_TOKENIZE, &h)) return;
+  rreq *q = h.q;
+  bool chat = field(h.body, "messages") != NULL, strs = false;
   bool add_special = !chat; /* vLLM's defaults: the chat template writes its own */
-  if (!st && (!get_bool(q, body, "return_token_strs", "return_token_strs", &strs, err, sizeof err) ||
-              !get_bool(q, body, "add_special_tokens", "add_special_tokens", &add_special, err,
-                        sizeof err)))
-    st = 400;
-  if (!st) {
-    const cJSON *b = body;
-    api_prep_own_json(p, body);
-    body = NULL;
-    const cJSON *pr = field(b, "prompt");
+  if (!h.st && (!get_bool(q, h.body, "return_token_strs", "return_token_strs", &strs, h.err,
+                          sizeof h.err) ||
+                !get_bool(q, h.body, "add_special_tokens", "add_special_tokens", &add_special,
+                          h.err, sizeof h.err)))
+    h.st = 400;
+  if (!h.st) {
+    const cJSON *b = call_own_body(&h), *pr = field(b, "prompt");
     if (chat)
-      st = parse_chat_messages(q, p, b, add_special, err, sizeof err);
+      h.st = parse_chat_messages(q, h.p, b, add_special, h.err, sizeof h.err);
     else if (!cJSON_IsString(pr))
-      st = refuse_param(q, err, sizeof err, 400, "prompt",
-                        "'prompt' must be a string (or give 'messages')");
-    else if (!api_prep_text(p, pr->valuestring, strlen(pr->valuestring), add_special))
-      st = 500;
+      h.st = refuse_param(q, h.err, sizeof h.err, 400, "prompt",
+                          "'prompt' must be a string (or give 'messages')");
+    else if (!api_prep_text(h.p, pr->valuestring, strlen(pr->valuestring), add_special))
+      h.st = 500;
   }
-  if (!st) api_prep_reply(p, strs, registry_max_model_len(r));
-  cJSON_Delete(body);
-  http_req_submit(r, q, p, st, err, sizeof err, code);
+  if (!h.st) api_prep_reply(h.p, strs, registry_max_model_len(r));
+  call_end(r, &h);
 }
 
 /* POST /detokenize (vLLM): {"tokens": [ids]} into {"prompt": text}, decoded in the pool. */
 static void handle_detokenize(router *r, pd_http_req *req, const pd_http_request *msg) {
-  char err[1024] = "";
-  const char *code = NULL;
-  cJSON *body;
-  rreq *q;
-  if (!http_req_begin(r, req, msg, API_DETOKENIZE, &body, &q)) return;
-  api_prep *p = api_prep_new(r, q, http_refuse);
-  int st = p ? check_model(r, q, body, err, sizeof err, &code) : 500;
-  const cJSON *toks = field(body, "tokens");
+  http_call h;
+  if (!call_begin(r, req, msg, API_DETOKENIZE, &h)) return;
+  rreq *q = h.q;
+  const cJSON *toks = field(h.body, "tokens");
   int32_t *ids = NULL;
   int n = 0;
-  if (!st && !cJSON_IsArray(toks))
-    st = refuse_param(q, err, sizeof err, 400, "tokens", "'tokens' must be a list of token ids");
-  if (!st) st = ids_from_json(q, "tokens", toks, &ids, &n, err, sizeof err);
-  for (int i = 0; !st && i < n; i++)
+  if (!h.st && !cJSON_IsArray(toks))
+    h.st = refuse_param(q, h.err, sizeof h.err, 400, "tokens", "'tokens' must be a list of token ids");
+  if (!h.st) h.st = ids_from_json(q, "tokens", toks, &ids, &n, h.err, sizeof h.err);
+  for (int i = 0; !h.st && i < n; i++)
     if (ids[i] >= r->vocab_size)
-      st = refuse_param(q, err, sizeof err, 400, "tokens",
-                        "token id %d is outside the vocabulary [0, %d)", ids[i], r->vocab_size);
-  if (!st) {
-    api_prep_reply(p, false, 0);
-    if (!api_prep_ids(p, ids, n)) st = 500;
+      h.st = refuse_param(q, h.err, sizeof h.err, 400, "tokens",
+                          "token id %d is outside the vocabulary [0, %d)", ids[i], r->vocab_size);
+  if (!h.st) {
+    api_prep_reply(h.p, false, 0);
+    if (!api_prep_ids(h.p, ids, n)) h.st = 500;
     ids = NULL;
   }
   free(ids);
-  cJSON_Delete(body);
-  http_req_submit(r, q, p, st, err, sizeof err, code);
+  call_end(r, &h);
 }
 
 static bool auth_ok(router *r, const pd_http_request *msg) {

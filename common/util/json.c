@@ -90,29 +90,6 @@ static long hex4(const parser *p, size_t at) {
   return v;
 }
 
-static size_t utf8_put(char *out, uint32_t cp) {
-  if (cp < 0x80) {
-    out[0] = (char)cp;
-    return 1;
-  }
-  if (cp < 0x800) {
-    out[0] = (char)(0xc0 | (cp >> 6));
-    out[1] = (char)(0x80 | (cp & 0x3f));
-    return 2;
-  }
-  if (cp < 0x10000) {
-    out[0] = (char)(0xe0 | (cp >> 12));
-    out[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
-    out[2] = (char)(0x80 | (cp & 0x3f));
-    return 3;
-  }
-  out[0] = (char)(0xf0 | (cp >> 18));
-  out[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
-  out[2] = (char)(0x80 | ((cp >> 6) & 0x3f));
-  out[3] = (char)(0x80 | (cp & 0x3f));
-  return 4;
-}
-
 /* The string starting at the '"' at p->i, decoded into a cJSON_malloc'ed buffer (*len bytes
  * plus a NUL); p->i ends after the closing quote. depth: the path of the string (a key is
  * reported at its object's path). */
@@ -216,7 +193,7 @@ static char *parse_string(parser *p, int depth, size_t *len) {
           cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
           j += 6;
         }
-        o += utf8_put(out + o, cp);
+        o += (size_t)utf8proc_encode_char((utf8proc_int32_t)cp, (utf8proc_uint8_t *)out + o);
         continue;
       }
       static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
@@ -323,6 +300,21 @@ static const char *duplicate_key(parser *p, const cJSON *obj, int n, bool *nomem
 
 static cJSON *parse_value(parser *p);
 
+/* After a member or an element: a ',' (1: another follows), the closing bracket (0), or
+ * neither (-1). */
+static int next_or_close(parser *p, char close) {
+  skip_ws(p);
+  if (p->i < p->n && p->s[p->i] == ',') {
+    p->i++;
+    return 1;
+  }
+  if (p->i < p->n && p->s[p->i] == close) {
+    p->i++;
+    return 0;
+  }
+  return -1;
+}
+
 static cJSON *parse_object(parser *p) {
   size_t open = p->i;
   int depth = p->depth;
@@ -371,15 +363,9 @@ static cJSON *parse_object(parser *p) {
     v->string = key; /* cJSON_Delete frees it with the item */
     cJSON_AddItemToArray(obj, v); /* an object's members are its children, in order */
     n++;
-    skip_ws(p);
-    if (p->i < p->n && p->s[p->i] == ',') {
-      p->i++;
-      continue;
-    }
-    if (p->i < p->n && p->s[p->i] == '}') {
-      p->i++;
-      break;
-    }
+    int more = next_or_close(p, '}');
+    if (more > 0) continue;
+    if (!more) break;
     fail_at(p, p->i, depth, "expected ',' or '}' after an object member");
     goto fail;
   }
@@ -416,15 +402,9 @@ static cJSON *parse_array(parser *p) {
     p->depth = depth;
     if (!v) goto fail;
     cJSON_AddItemToArray(arr, v);
-    skip_ws(p);
-    if (p->i < p->n && p->s[p->i] == ',') {
-      p->i++;
-      continue;
-    }
-    if (p->i < p->n && p->s[p->i] == ']') {
-      p->i++;
-      return arr;
-    }
+    int more = next_or_close(p, ']');
+    if (more > 0) continue;
+    if (!more) return arr;
     fail_at(p, p->i, depth, "expected ',' or ']' after an array element");
     goto fail;
   }

@@ -41,30 +41,12 @@ ORIGIN = "https://app.example"
 def main():
     a = pc.args()
     chk = pc.Checks()
-    c = pc.Cluster(a.build, api_key=KEY,
-                   router_args=["--allowed-origins", f"{ORIGIN}, https://other.example"])
-    try:
-        c.up(1, 1)
-        main_cluster(c, chk)
-    except Exception as e:  # noqa: BLE001
-        import traceback
-        traceback.print_exc()
-        chk.ok(False, f"exception: {e!r}")
-    if chk.failures:
-        print(c.logs())
-    chk.eq(c.down(), [], "no sanitizer reports")
-    small = pc.Cluster(a.build, router_args=["--max-queue", "2", "--tokenizer-threads", "1",
-                                             "--max-prompt-mb", "8", "--max-body-mb", "16"])
-    try:
-        small.up(1, 1)
-        small_cluster(small, chk)
-    except Exception as e:  # noqa: BLE001
-        import traceback
-        traceback.print_exc()
-        chk.ok(False, f"exception: {e!r}")
-    if chk.failures:
-        print(small.logs())
-    chk.eq(small.down(), [], "small cluster: no sanitizer reports")
+    pc.run_checks(pc.Cluster(a.build, api_key=KEY,
+                             router_args=["--allowed-origins", f"{ORIGIN}, https://other.example"]),
+                  main_cluster, chk, "main cluster")
+    pc.run_checks(pc.Cluster(a.build, router_args=["--max-queue", "2", "--tokenizer-threads", "1",
+                                                   "--max-prompt-mb", "8", "--max-body-mb", "16"]),
+                  small_cluster, chk, "small cluster")
     return chk.done()
 
 
@@ -473,66 +455,17 @@ def small_cluster(c, chk):
                f"no decode node: APIStatusError {e.status_code}")
 
 
-# ---- a minimal protobuf encoder/decoder for the ZeroMQ client API (proto/pd.proto) ----
-
-def _varint(n):
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _field(num, value):
-    if isinstance(value, bytes):
-        return _varint(num << 3 | 2) + _varint(len(value)) + value
-    return _varint(num << 3) + _varint(value)
-
+# ---- the ZeroMQ client API (proto/pd.proto), with pdcluster's few lines of protobuf ----
 
 def generate(rid, prompt, max_tokens, n=None, top_logprobs=None):
     """Envelope{version 1, generate: GenerateRequest{request_id, prompt, sampling}}; greedy."""
-    sp = b"\x0d\x00\x00\x00\x00" + _field(6, max_tokens)  # temperature (float 0), max_tokens
+    sp = b"\x0d\x00\x00\x00\x00" + pc.pb_field(6, max_tokens)  # temperature 0.0f, max_tokens
     if n:
-        sp += _field(10, n)
+        sp += pc.pb_field(10, n)
     if top_logprobs:
-        sp += _field(12, top_logprobs)
-    g = _field(1, rid.encode()) + _field(3, prompt) + _field(6, sp)
-    return _field(1, 1) + _field(2, b"conformance") + _field(10, g)
-
-
-def _parse(b):
-    i, out = 0, []
-    while i < len(b):
-        key, i = _read_varint(b, i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = _read_varint(b, i)
-        elif wt == 2:
-            ln, i = _read_varint(b, i)
-            v, i = b[i:i + ln], i + ln
-        elif wt == 5:
-            v, i = b[i:i + 4], i + 4
-        elif wt == 1:
-            v, i = b[i:i + 8], i + 8
-        else:
-            break
-        out.append((num, v))
-    return out
-
-
-def _read_varint(b, i):
-    v = shift = 0
-    while True:
-        c = b[i]
-        i += 1
-        v |= (c & 0x7F) << shift
-        shift += 7
-        if not c & 0x80:
-            return v, i
+        sp += pc.pb_field(12, top_logprobs)
+    g = pc.pb_field(1, rid) + pc.pb_field(3, prompt) + pc.pb_field(6, sp)
+    return pc.pb_field(1, 1) + pc.pb_field(2, "conformance") + pc.pb_field(10, g)
 
 
 def zmq_request(ctx, c, envelope, timeout_ms=30000):
@@ -548,18 +481,18 @@ def zmq_request(ctx, c, envelope, timeout_ms=30000):
         while True:
             if not s.poll(timeout_ms):
                 return ("timeout", -1, "")
-            frames = s.recv_multipart()
-            fields = dict(_parse(frames[0]))
-            if 39 in fields:
-                e = dict(_parse(fields[39]))
-                return ("error", e.get(1, 0), e.get(2, b"").decode(errors="replace"))
-            if 12 in fields:
-                ch = dict(_parse(fields[12]))
+            env = pc.pb_decode(s.recv_multipart()[0])
+            if 39 in env:
+                e = pc.pb_decode(env[39][0])
+                return ("error", e.get(1, [0])[0], e.get(2, [b""])[0].decode(errors="replace"))
+            if 12 in env:
+                ch = pc.pb_decode(env[12][0])
                 if 10 in ch:
-                    e = dict(_parse(ch[10]))
-                    return ("chunk-error", e.get(1, 0), e.get(2, b"").decode(errors="replace"))
-                text += ch.get(4, b"")
-                if ch.get(6, 0):
+                    e = pc.pb_decode(ch[10][0])
+                    return ("chunk-error", e.get(1, [0])[0],
+                            e.get(2, [b""])[0].decode(errors="replace"))
+                text += ch.get(4, [b""])[0]
+                if ch.get(6, [0])[0]:
                     return ("chunk", 0, text.decode(errors="replace"))
     finally:
         s.close()
