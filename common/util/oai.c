@@ -116,7 +116,8 @@ pd_status pd_oai_params_parse(const cJSON *obj, int default_max_tokens, pd_oai_p
     p->ignore_eos = cJSON_IsTrue(it);
   }
   /* logprobs: an integer (completions, vLLM), or a boolean with top_logprobs (chat). As in
-   * vLLM, a top_logprobs above 0 without logprobs: true is refused rather than ignored. */
+   * vLLM's chat, a top_logprobs above 0 with logprobs absent or false is refused rather than
+   * ignored (beside an integer logprobs, the completions form, it has no meaning). */
   it = field(obj, "logprobs");
   int32_t top = 0;
   INT_FIELD("top_logprobs", 0, PD_SAMPLE_MAX_LOGPROBS, top);
@@ -125,7 +126,7 @@ pd_status pd_oai_params_parse(const cJSON *obj, int default_max_tokens, pd_oai_p
   } else if (it) {
     INT_FIELD("logprobs", 0, PD_SAMPLE_MAX_LOGPROBS, p->logprobs);
   }
-  if (top > 0 && !cJSON_IsTrue(it)) {
+  if (top > 0 && (!it || cJSON_IsFalse(it))) {
     st = bad(param, "top_logprobs", e, "when using `top_logprobs`, `logprobs` must be set to true");
     goto fail;
   }
