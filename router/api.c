@@ -1175,15 +1175,18 @@ static void handle_models(router *r, pd_http_req *req) {
  * the rest of the path, percent-decoded (ids may hold a '/'). */
 static void handle_model(router *r, pd_http_req *req, const char *enc, size_t len) {
   char id[512];
-  if (pd_http_percent_decode(enc, len, id, sizeof id, NULL, false) == PD_OK &&
-      !strcmp(id, r->model_name)) {
+  bool decoded = pd_http_percent_decode(enc, len, id, sizeof id, NULL, false) == PD_OK;
+  if (decoded && !strcmp(id, r->model_name)) {
     cJSON *m = model_card(r);
     respond_json(req, 200, m, NULL);
     cJSON_Delete(m);
     return;
   }
+  for (const char *c = id; decoded && *c; c++) /* the message shows the id as sent otherwise */
+    decoded = *c >= 0x20 && *c < 0x7f;
   char msg[700];
-  snprintf(msg, sizeof msg, "The model `%.*s` does not exist.", (int)(len < 400 ? len : 400), enc);
+  if (decoded) snprintf(msg, sizeof msg, "The model `%.400s` does not exist.", id);
+  else snprintf(msg, sizeof msg, "The model `%.*s` does not exist.", (int)(len < 400 ? len : 400), enc);
   char *body = pd_http_error_json(msg, pd_http_error_type(404), "model_not_found", "model");
   pd_http_respond(req, 404, "application/json", NULL, 0, body ? body : "", body ? strlen(body) : 0,
                   NULL);
