@@ -24,6 +24,7 @@ struct api_prep {
   pd_work w;
   router *r;
   rreq *q; /* the request; NULL once it was freed (loop thread only) */
+  api_kind kind; /* q's, for the worker (which never reads q) */
   api_refuse_fn refuse;
   /* input: read by the worker, owned by the job */
   cJSON *json;   /* the parsed HTTP body the strings point into */
@@ -33,7 +34,12 @@ struct api_prep {
   int n_in;
   pd_chat_msg *msgs; /* chat: rendered with the template into one prompt */
   int n_msgs;
-  bool chat, add_gen, cont;
+  bool chat, add_gen, cont, chat_special;
+  /* /tokenize and /detokenize: the job renders the answer */
+  bool token_strs;
+  int max_model_len;
+  char *reply;
+  size_t reply_len;
   size_t in_bytes; /* prompt texts, or roles and contents of the messages */
   /* output: written by the worker */
   prompt *prompts;
@@ -47,6 +53,7 @@ api_prep *api_prep_new(router *r, rreq *q, api_refuse_fn refuse) {
   if (!p) return NULL;
   p->r = r;
   p->q = q;
+  p->kind = q->kind;
   p->refuse = refuse;
   return p;
 }
@@ -68,6 +75,7 @@ void api_prep_free(api_prep *p) {
   free(p->in);
   free(p->msgs);
   free_prompts(p->prompts, p->n_prompts);
+  free(p->reply);
   free(p);
 }
 
@@ -125,8 +133,8 @@ bool api_prep_ids(api_prep *p, int32_t *ids, int n) {
   return true;
 }
 
-int api_prep_chat(api_prep *p, pd_chat_msg *msgs, int n, bool add_gen, bool cont, char *msg,
-                  size_t cap) {
+int api_prep_chat(api_prep *p, pd_chat_msg *msgs, int n, bool add_gen, bool cont,
+                  bool add_special, char *msg, size_t cap) {
   if (!pd_tokenizer_has_chat_template(p->r->tok)) {
     free(msgs);
     snprintf(msg, cap, "this model has no chat template: use /v1/completions");
@@ -138,8 +146,14 @@ int api_prep_chat(api_prep *p, pd_chat_msg *msgs, int n, bool add_gen, bool cont
   p->n_msgs = n;
   p->add_gen = add_gen;
   p->cont = cont;
+  p->chat_special = add_special;
   for (int i = 0; i < n; i++) p->in_bytes += strlen(msgs[i].role) + strlen(msgs[i].content);
   return 0;
+}
+
+void api_prep_reply(api_prep *p, bool token_strs, int max_model_len) {
+  p->token_strs = token_strs;
+  p->max_model_len = max_model_len;
 }
 
 /* ---- the worker's side: only the job's own fields ---- */
@@ -197,16 +211,55 @@ static int run_chat(api_prep *p) {
   }
   int32_t *ids;
   int k;
-  int st = tokenize(p, text, len, false, &ids, &k);
+  int st = tokenize(p, text, len, p->chat_special, &ids, &k);
   free(text);
   if (!st && !out_prompt(p, ids, k, NULL, 0)) st = 500;
   return st;
 }
 
+/* The answer of a /tokenize (vLLM's TokenizeResponse) or /detokenize (DetokenizeResponse)
+ * request, from the job's one prompt. */
+static int render_reply(api_prep *p) {
+  const prompt *x = &p->prompts[0];
+  cJSON *o = cJSON_CreateObject();
+  if (!o) return 500;
+  if (p->kind == API_TOKENIZE) {
+    cJSON_AddNumberToObject(o, "count", x->n);
+    cJSON_AddNumberToObject(o, "max_model_len", p->max_model_len);
+    cJSON *t = cJSON_AddArrayToObject(o, "tokens"), *strs = NULL;
+    if (p->token_strs) strs = cJSON_AddArrayToObject(o, "token_strs");
+    else cJSON_AddNullToObject(o, "token_strs");
+    for (int i = 0; i < x->n; i++) {
+      cJSON_AddItemToArray(t, cJSON_CreateNumber(x->ids[i]));
+      const char *s = strs ? pd_tokenizer_id_to_token(p->r->tok, x->ids[i]) : NULL;
+      if (strs) cJSON_AddItemToArray(strs, cJSON_CreateString(s ? s : ""));
+    }
+  } else {
+    cJSON_AddStringToObject(o, "prompt", x->text ? x->text : "");
+  }
+  p->reply = cJSON_PrintUnformatted(o);
+  cJSON_Delete(o);
+  if (!p->reply) return 500;
+  p->reply_len = strlen(p->reply);
+  return 0;
+}
+
 static void prep_run(pd_work *w) {
   api_prep *p = (api_prep *)w;
   int st = 0;
-  if (p->chat) {
+  if (p->kind == API_DETOKENIZE) { /* one list of ids (checked against the vocabulary) */
+    char *text = NULL;
+    size_t len = 0;
+    pd_err e = {0};
+    if (pd_tokenizer_decode(p->r->tok, p->in[0].ids, (size_t)p->in[0].n, false, &text, &len,
+                            &e) != PD_OK) {
+      snprintf(p->err, sizeof p->err, "cannot decode the tokens: %s", e.msg);
+      st = e.code == PD_ENOMEM ? 500 : 400;
+    } else if (!out_prompt(p, NULL, 0, text, len)) {
+      st = 500;
+    }
+    free(text);
+  } else if (p->chat) {
     st = run_chat(p);
   } else {
     for (int i = 0; i < p->n_in && !st; i++) {
@@ -223,6 +276,7 @@ static void prep_run(pd_work *w) {
       if (!st && !out_prompt(p, ids, n, x->text, x->len)) st = 500;
     }
   }
+  if (!st && (p->kind == API_TOKENIZE || p->kind == API_DETOKENIZE)) st = render_reply(p);
   if (st == 500 && !p->err[0]) snprintf(p->err, sizeof p->err, "out of memory");
   p->status = st;
 }
@@ -239,9 +293,14 @@ static void prep_finish(api_prep *p) {
     p->status = 503;
     snprintf(p->err, sizeof p->err, "the server is shutting down");
   }
-  if (q && !q->finished) {
+  if (q && !q->finished && !p->status && p->reply) {
+    api_http_reply(r, q, p->reply, p->reply_len);
+  } else if (q && !q->finished) {
     int st = p->status;
     const char *code = NULL;
+    if (st == 400) /* the job could not tokenize, render or decode the input */
+      snprintf(q->err_param, sizeof q->err_param, "%s",
+               p->kind == API_DETOKENIZE ? "tokens" : p->chat ? "messages" : "prompt");
     if (!st) {
       PD_ASSERT(!q->prompts);
       q->prompts = p->prompts;
@@ -274,12 +333,23 @@ int api_prep_submit(api_prep *p, char *msg, size_t cap, const char **code) {
   rreq *q = p->q;
   int st = 0;
   size_t limit = (size_t)r->o.max_prompt_mb << 20;
+  /* choices this request will make: more than the queue holds can never be admitted */
+  bool generates = p->kind != API_TOKENIZE && p->kind != API_DETOKENIZE;
+  long choices = (long)(p->chat ? 1 : p->n_in) * (q->op.p.n > 0 ? q->op.p.n : 1);
+  q->err_param[0] = 0;
   if (p->in_bytes > limit) {
     snprintf(msg, cap,
              "the prompt is %zu bytes, over this server's limit of %zu bytes per request "
              "(--max-prompt-mb %d)",
              p->in_bytes, limit, r->o.max_prompt_mb);
+    snprintf(q->err_param, sizeof q->err_param, "%s", p->chat ? "messages" : "prompt");
     *code = "string_above_max_length";
+    st = 400;
+  } else if (generates && choices > r->o.max_queue) {
+    snprintf(msg, cap,
+             "n x prompts = %ld choices can never fit this server's queue of %d (--max-queue)",
+             choices, r->o.max_queue);
+    snprintf(q->err_param, sizeof q->err_param, "n");
     st = 400;
   } else if (pd_workpool_pending(r->pool) >= (size_t)r->o.max_queue) {
     snprintf(msg, cap, "too many requests are waiting to be tokenized (%zu); retry later",
@@ -293,7 +363,7 @@ int api_prep_submit(api_prep *p, char *msg, size_t cap, const char **code) {
   p->w.run = prep_run;
   p->w.done = prep_done;
   p->w.big = p->in_bytes > PREP_BIG_BYTES;
-  bool work = p->chat;
+  bool work = p->chat || p->kind == API_DETOKENIZE;
   for (int i = 0; i < p->n_in && !work; i++) work = p->in[i].text != NULL;
   if (!work) { /* token ids only: nothing worth a thread hop */
     prep_run(&p->w);

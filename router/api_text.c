@@ -165,6 +165,23 @@ static cJSON *bytes_json(const char *s) {
   return a;
 }
 
+static cJSON *completions_lp_new(void) {
+  cJSON *acc = cJSON_CreateObject();
+  cJSON_AddArrayToObject(acc, "tokens");
+  cJSON_AddArrayToObject(acc, "token_logprobs");
+  cJSON_AddArrayToObject(acc, "top_logprobs");
+  cJSON_AddArrayToObject(acc, "text_offset");
+  return acc;
+}
+
+/* d[token] = logprob; a token string seen before keeps its place and takes the new value, as
+ * a Python dict does in vLLM. */
+static void top_put(cJSON *d, const char *token, float logprob) {
+  cJSON *v = cJSON_CreateNumber(lp_val(logprob));
+  if (cJSON_GetObjectItemCaseSensitive(d, token)) cJSON_ReplaceItemInObjectCaseSensitive(d, token, v);
+  else cJSON_AddItemToObject(d, token, v);
+}
+
 cJSON *lp_append(router *r, rreq *q, cJSON *acc, const pd_logprobs *lps, int n, size_t offset0) {
   if (!lps || n <= 0) return acc;
   if (q->kind == API_CHAT) {
@@ -194,13 +211,7 @@ cJSON *lp_append(router *r, rreq *q, cJSON *acc, const pd_logprobs *lps, int n, 
     }
     return acc;
   }
-  if (!acc) {
-    acc = cJSON_CreateObject();
-    cJSON_AddArrayToObject(acc, "tokens");
-    cJSON_AddArrayToObject(acc, "token_logprobs");
-    cJSON_AddArrayToObject(acc, "top_logprobs");
-    cJSON_AddArrayToObject(acc, "text_offset");
-  }
+  if (!acc) acc = completions_lp_new();
   cJSON *toks = cJSON_GetObjectItem(acc, "tokens"), *tlp = cJSON_GetObjectItem(acc, "token_logprobs");
   cJSON *top = cJSON_GetObjectItem(acc, "top_logprobs"), *off = cJSON_GetObjectItem(acc, "text_offset");
   size_t o = offset0;
@@ -208,17 +219,57 @@ cJSON *lp_append(router *r, rreq *q, cJSON *acc, const pd_logprobs *lps, int n, 
     char *t = token_str(r, lps[i].token);
     cJSON_AddItemToArray(toks, cJSON_CreateString(t));
     cJSON_AddItemToArray(tlp, cJSON_CreateNumber(lp_val(lps[i].logprob)));
+    /* vLLM: the chosen token, then the others by likelihood, logprobs + 1 entries at most */
     cJSON *d = cJSON_CreateObject();
-    for (int k = 0; k < lps[i].n_top && k < q->lp_top; k++) {
+    top_put(d, t, lps[i].logprob);
+    for (int k = 0, taken = 1; k < lps[i].n_top && taken <= q->lp_top; k++) {
+      if (lps[i].top[k].id == lps[i].token) continue;
       char *tt = token_str(r, lps[i].top[k].id);
-      if (!cJSON_GetObjectItemCaseSensitive(d, tt))
-        cJSON_AddNumberToObject(d, tt, lp_val(lps[i].top[k].logprob));
+      top_put(d, tt, lps[i].top[k].logprob);
       free(tt);
+      taken++;
     }
     cJSON_AddItemToArray(top, d);
     cJSON_AddItemToArray(off, cJSON_CreateNumber((double)o));
     o += strlen(t);
     free(t);
+  }
+  return acc;
+}
+
+cJSON *echo_lp_json(router *r, rsub *s) {
+  rreq *q = s->req;
+  const prompt *p = &q->prompts[s->prompt_i];
+  cJSON *acc = completions_lp_new();
+  cJSON *toks = cJSON_GetObjectItem(acc, "tokens"), *tlp = cJSON_GetObjectItem(acc, "token_logprobs");
+  cJSON *top = cJSON_GetObjectItem(acc, "top_logprobs"), *off = cJSON_GetObjectItem(acc, "text_offset");
+  /* s->prompt_lp: [null, {"<id>": {logprob, rank, decoded_token}, ...}, ...], the prompt token
+   * first in each position, then its alternatives */
+  const cJSON *pos = s->prompt_lp ? s->prompt_lp->child : NULL;
+  size_t o = 0;
+  for (int j = 0; j < p->n; j++, pos = pos ? pos->next : NULL) {
+    char *t = token_str(r, p->ids[j]);
+    cJSON_AddItemToArray(toks, cJSON_CreateString(t));
+    cJSON_AddItemToArray(off, cJSON_CreateNumber((double)o));
+    o += strlen(t);
+    free(t);
+    char key[16];
+    snprintf(key, sizeof key, "%d", p->ids[j]);
+    const cJSON *own = cJSON_IsObject(pos) ? cJSON_GetObjectItemCaseSensitive(pos, key) : NULL;
+    if (!own) { /* the first token: nothing before it to predict it */
+      cJSON_AddItemToArray(tlp, cJSON_CreateNull());
+      cJSON_AddItemToArray(top, cJSON_CreateNull());
+      continue;
+    }
+    cJSON_AddItemToArray(tlp, cJSON_CreateNumber(cJSON_GetObjectItem(own, "logprob")->valuedouble));
+    cJSON *d = cJSON_CreateObject();
+    int taken = 0;
+    for (const cJSON *e = pos->child; e && taken <= q->lp_top; e = e->next, taken++) {
+      const cJSON *dt = cJSON_GetObjectItem(e, "decoded_token");
+      top_put(d, cJSON_IsString(dt) ? dt->valuestring : "",
+              (float)cJSON_GetObjectItem(e, "logprob")->valuedouble);
+    }
+    cJSON_AddItemToArray(top, d);
   }
   return acc;
 }
@@ -263,12 +314,13 @@ void out_tokens(router *r, rsub *s, const int32_t *ids, const pd_logprobs *lps, 
   text_feed(r, s, ids, n, node_finish != PD__FINISH_REASON__FINISH_REASON_NONE, &off, &len,
             &stopped, &used);
   s->n_out_tokens += used;
+  /* set before the output hooks run, so that a stream's last chunk carries it */
   if (stopped) {
     s->finish_reason = "stop";
   } else if (node_finish == PD__FINISH_REASON__FINISH_REASON_STOP) {
     s->finish_reason = "stop";
     if (n > 0) s->stop_token = ids[n - 1];
-  } else if (node_finish == PD__FINISH_REASON__FINISH_REASON_LENGTH) {
+  } else if (node_finish != PD__FINISH_REASON__FINISH_REASON_NONE) {
     s->finish_reason = "length";
   }
   if (!q->cancelled) {

@@ -125,7 +125,8 @@ static int prompt_input(api_prep *p, const Pd__GenerateRequest *g, char *msg, si
       return 500;
     }
   }
-  return api_prep_chat(p, msgs, (int)g->n_messages, true, g->continue_final_message, msg, cap);
+  return api_prep_chat(p, msgs, (int)g->n_messages, true, g->continue_final_message, false, msg,
+                       cap);
 }
 
 static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateRequest *g) {
@@ -167,8 +168,18 @@ static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateReques
       snprintf(err, sizeof err, "%s", e.msg);
       st = 400;
     } else {
+      const Pd__SamplingParams *sp = g->sampling;
+      /* the same refusals as over HTTP (vLLM's): alternatives without logprobs asked for are
+       * a mistake worth saying, not something to ignore */
       if (p.n > r->o.max_n) {
-        snprintf(err, sizeof err, "n must be at most %d", r->o.max_n);
+        snprintf(err, sizeof err, "n must be at most %d (--max-n)", r->o.max_n);
+        st = 400;
+      } else if (sp && sp->top_logprobs && !sp->logprobs) {
+        snprintf(err, sizeof err, "when using top_logprobs, logprobs must be set to true");
+        st = 400;
+      } else if (sp && sp->prompt_top_logprobs && !sp->prompt_logprobs) {
+        snprintf(err, sizeof err,
+                 "when using prompt_top_logprobs, prompt_logprobs must be set to true");
         st = 400;
       } else if (!copy_params(q, &p)) {
         st = 500;

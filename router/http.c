@@ -478,6 +478,26 @@ static conn *answerable(pd_http_req *r, bool want_stream, pd_status *st, pd_err 
 }
 
 /* Queues the status line and header fields. body_len is used for F_LENGTH. */
+/* The Access-Control-Allow-Origin value for a response to m (NULL: none): "*" when the
+ * configuration allows any origin, else m's Origin when the list holds it exactly. */
+static const char *cors_origin(const pd_http_server *s, const pd_http_request *m) {
+  const char *list = s->cfg.allowed_origins;
+  const char *o = list && *list ? pd_http_header_get(m, "Origin") : NULL;
+  if (!o) return NULL;
+  size_t ol = strlen(o);
+  for (const char *p = list; *p;) {
+    while (*p == ',' || *p == ' ') p++;
+    const char *end = p;
+    while (*end && *end != ',') end++;
+    const char *t = end;
+    while (t > p && t[-1] == ' ') t--;
+    if (t - p == 1 && *p == '*') return "*";
+    if ((size_t)(t - p) == ol && !memcmp(p, o, ol)) return o;
+    p = end;
+  }
+  return NULL;
+}
+
 static pd_status write_head(conn *c, pd_http_req *r, int status, const char *ctype,
                             const pd_http_header *hdrs, size_t n, framing fr, size_t body_len,
                             pd_err *e) {
@@ -485,8 +505,10 @@ static pd_status write_head(conn *c, pd_http_req *r, int status, const char *cty
     return pd_err_set(e, PD_EINVAL, "http: bad final status %d", status);
   if (ctype && !valid_value(ctype)) return pd_err_set(e, PD_EINVAL, "http: bad Content-Type");
   bool close = c->close_after || fr == F_CLOSE;
+  const char *acao = cors_origin(c->srv, &r->msg); /* the parser refused CR/LF in the Origin */
   size_t need = 64 + strlen(pd_http_reason(status)) + 64 + 40 + 48 + 32 + 32;
   if (ctype) need += 16 + strlen(ctype);
+  if (acao) need += 64 + strlen(acao);
   for (size_t i = 0; i < n; i++) {
     if (!hdrs[i].name || !hdrs[i].value || !valid_name(hdrs[i].name) || !valid_value(hdrs[i].value))
       return pd_err_set(e, PD_EINVAL, "http: bad response header #%zu", i);
@@ -499,6 +521,9 @@ static pd_status write_head(conn *c, pd_http_req *r, int status, const char *cty
   p += sprintf(p, "HTTP/1.1 %d %s\r\nDate: %s\r\n", status, pd_http_reason(status),
                http_date(c->srv));
   if (ctype) p += sprintf(p, "Content-Type: %s\r\n", ctype);
+  if (acao)
+    p += sprintf(p, "Access-Control-Allow-Origin: %s\r\n%s", acao,
+                 strcmp(acao, "*") ? "Vary: Origin\r\n" : "");
   for (size_t i = 0; i < n; i++) {
     if (is_framing_header(hdrs[i].name)) continue;
     size_t nl = strlen(hdrs[i].name);
@@ -552,7 +577,7 @@ pd_status pd_http_respond(pd_http_req *r, int status, const char *content_type,
 
 pd_status pd_http_respond_error(pd_http_req *r, int status, const char *message,
                                 const char *type, const char *code, pd_err *e) {
-  char *json = pd_http_error_json(message, type ? type : pd_http_error_type(status), code);
+  char *json = pd_http_error_json(message, type ? type : pd_http_error_type(status), code, NULL);
   if (!json) return pd_err_set(e, PD_ENOMEM, "http: out of memory");
   pd_status st = pd_http_respond(r, status, "application/json", NULL, 0, json, strlen(json), e);
   free(json);
@@ -771,7 +796,7 @@ static void conn_timed_out(conn *c, timer_kind k) {
         s->st.responses_error++;
         char *json = pd_http_error_json(c->state == CS_HEAD ? "timed out reading the request head"
                                                             : "timed out reading the request body",
-                                        pd_http_error_type(408), NULL);
+                                        pd_http_error_type(408), NULL, NULL);
         if (!json) break;
         pd_http_req fake = {.msg.version_minor = 1};
         c->close_after = true;
@@ -805,7 +830,7 @@ static void conn_error(conn *c, int status, const char *msg) {
   c->srv->st.responses_error++;
   c->close_after = true;
   c->pend_off = c->pend_len = 0; /* whatever follows a malformed request is not parsed */
-  char *json = pd_http_error_json(msg, pd_http_error_type(status), NULL);
+  char *json = pd_http_error_json(msg, pd_http_error_type(status), NULL, NULL);
   pd_http_req fake = {.msg.version_minor = 1};
   size_t len = json ? strlen(json) : 0;
   if (write_head(c, &fake, status, json ? "application/json" : NULL, NULL, 0, F_LENGTH, len,
@@ -820,7 +845,35 @@ static void conn_error(conn *c, int status, const char *msg) {
   if (!conn_set_deadline(c, TK_SEND)) c->failed = true;
 }
 
-/* Hands the parsed request to the handler. */
+/* A CORS preflight (OPTIONS with Origin and Access-Control-Request-Method, CORS on) answered
+ * here, before any handler or API key check, as Starlette's CORSMiddleware does: 200 "OK"
+ * allowing our methods and the headers asked for, or 400 naming what is not allowed. The
+ * allowed origin itself goes out from write_head. */
+static bool cors_preflight(pd_http_server *s, pd_http_req *r) {
+  const pd_http_request *m = &r->msg;
+  const char *method = pd_http_header_get(m, "Access-Control-Request-Method");
+  if (!s->cfg.allowed_origins || !*s->cfg.allowed_origins || strcmp(m->method, "OPTIONS") ||
+      !method || !pd_http_header_get(m, "Origin"))
+    return false;
+  bool origin_ok = cors_origin(s, m) != NULL;
+  bool method_ok = !strcmp(method, "GET") || !strcmp(method, "HEAD") ||
+                   !strcmp(method, "POST") || !strcmp(method, "OPTIONS");
+  if (!origin_ok || !method_ok) {
+    char msg[64];
+    snprintf(msg, sizeof msg, "Disallowed CORS %s%s%s", origin_ok ? "" : "origin",
+             !origin_ok && !method_ok ? ", " : "", method_ok ? "" : "method");
+    pd_http_respond(r, 400, "text/plain; charset=utf-8", NULL, 0, msg, strlen(msg), NULL);
+    return true;
+  }
+  const char *want = pd_http_header_get(m, "Access-Control-Request-Headers");
+  pd_http_header h[3] = {{"Access-Control-Allow-Methods", "GET, HEAD, OPTIONS, POST"},
+                         {"Access-Control-Max-Age", "600"},
+                         {"Access-Control-Allow-Headers", want ? want : ""}};
+  pd_http_respond(r, 200, "text/plain; charset=utf-8", h, want ? 3 : 2, "OK", 2, NULL);
+  return true;
+}
+
+/* Hands the parsed request to the handler (or answers a CORS preflight). */
 static void conn_dispatch(conn *c) {
   pd_http_server *s = c->srv;
   pd_http_req *r = calloc(1, sizeof *r);
@@ -839,6 +892,7 @@ static void conn_dispatch(conn *c) {
   if (!r->msg.keep_alive) c->close_after = true;
   c->tkind = TK_NONE;
   s->st.requests_total++;
+  if (cors_preflight(s, r)) return;
   s->cfg.on_request(r, &r->msg, s->cfg.ud);
 }
 
@@ -976,6 +1030,10 @@ static void conn_drive(conn *c) {
         conn_dispatch(c);
         break;
       case PD_HTTP_PARSE_ERROR:
+        if (!pd_http_parser_error_status(c->parser)) { /* not HTTP: no answer would be read */
+          s->st.responses_error++;
+          goto close;
+        }
         conn_error(c, pd_http_parser_error_status(c->parser), pd_http_parser_error_msg(c->parser));
         break;
     }

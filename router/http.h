@@ -99,6 +99,12 @@ typedef struct pd_http_config {
   uint32_t idle_timeout_ms;   /* keep-alive: from the end of a response to the next request */
   uint32_t send_timeout_ms;   /* with output queued: longest time without send progress */
   uint32_t linger_ms;         /* after a closing response: drain the client's input this long */
+  /* CORS (off when NULL or ""): "*" or a comma-separated list of origins allowed to call the
+   * server from a browser (the string must outlive the server). When set, the server answers
+   * preflights (OPTIONS with Origin and Access-Control-Request-Method) itself, 200 or 400, and
+   * adds Access-Control-Allow-Origin (and Vary: Origin for a list) to every response to an
+   * allowed Origin, as Starlette's CORSMiddleware does for vLLM. */
+  const char *allowed_origins;
   pd_http_handler_fn on_request; /* required */
   void *ud;                      /* passed to on_request */
 } pd_http_config;
@@ -219,7 +225,10 @@ pd_http_parse_result pd_http_parser_feed(pd_http_parser *p, const void *data, si
 const pd_http_request *pd_http_parser_request(const pd_http_parser *p);
 /* Whether any byte of the current request has arrived (leading blank lines included). */
 bool pd_http_parser_started(const pd_http_parser *p);
-/* After ERROR: the status to answer (400, 413, 414, 417, 431, 500, 501, 505), and why. */
+/* After ERROR: the status to answer (400, 413, 414, 417, 431, 500, 501, 505), and why; 0 when
+ * the bytes are not HTTP at all and no answer would be understood (a TLS handshake): close at
+ * once. Bytes that cannot start a request line (a method is 1 to 32 token characters) are
+ * refused as they arrive, not when a head that never ends times out. */
 int pd_http_parser_error_status(const pd_http_parser *p);
 const char *pd_http_parser_error_msg(const pd_http_parser *p);
 
@@ -248,10 +257,11 @@ const char *pd_http_reason(int status);
  * "authentication_error", 403 "permission_error", 404 "not_found_error", 429
  * "rate_limit_error"; everything else "server_error". */
 const char *pd_http_error_type(int status);
-/* The OpenAI-style error body {"error":{"message":..,"type":..,"param":null,"code":..}}
- * (malloc'ed, NUL-terminated; free() it), with type NULL -> "server_error" and code NULL ->
- * null. NULL on allocation failure. */
-char *pd_http_error_json(const char *message, const char *type, const char *code);
+/* The OpenAI-style error body {"error":{"message":..,"type":..,"param":..,"code":..}}
+ * (malloc'ed, NUL-terminated; free() it), with type NULL -> "server_error", and code or param
+ * NULL (or "" for param) -> null. NULL on allocation failure. */
+char *pd_http_error_json(const char *message, const char *type, const char *code,
+                         const char *param);
 
 #ifdef __cplusplus
 }

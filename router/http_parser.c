@@ -432,6 +432,20 @@ static pd_http_parse_result feed_head(pd_http_parser *p, const char *d, size_t l
   }
   memcpy(p->head + before, d + i, take);
   size_t total = before + take;
+  /* Not HTTP at all: refuse now rather than wait 30 s for a head that never ends. The method
+   * is checked as it arrives (1 to 32 token characters, then a space). A TLS ClientHello
+   * (record type 0x16) would not understand an HTTP answer: it gets none. */
+  size_t mlim = total < 33 ? total : 33;
+  bool method_done = before > 0 && memchr(p->head, ' ', before < mlim ? before : mlim);
+  for (size_t k = before; !method_done && k < mlim; k++) {
+    unsigned char ch = (unsigned char)p->head[k];
+    if (ch == ' ' && k > 0) break;
+    if (!pdh_is_tchar(ch) || k == 32) {
+      *used = i + take;
+      if (k == 0 && ch == 0x16) return fail(p, 0, "a TLS handshake on a plain-text HTTP port");
+      return fail(p, 400, "not an HTTP request");
+    }
+  }
   size_t from = before >= 3 ? before - 3 : 0;
   const char *hit = total - from >= 4 ? memmem(p->head + from, total - from, "\r\n\r\n", 4) : NULL;
   size_t endpos = hit ? (size_t)(hit - p->head) + 4 : total;

@@ -144,13 +144,15 @@ const char *pd_http_error_type(int status) {
   return "server_error";
 }
 
-char *pd_http_error_json(const char *message, const char *type, const char *code) {
+char *pd_http_error_json(const char *message, const char *type, const char *code,
+                         const char *param) {
   cJSON *root = cJSON_CreateObject();
   if (!root) return NULL;
   cJSON *err = cJSON_AddObjectToObject(root, "error");
   bool ok = err && cJSON_AddStringToObject(err, "message", message ? message : "") &&
             cJSON_AddStringToObject(err, "type", type ? type : "server_error") &&
-            cJSON_AddNullToObject(err, "param") &&
+            (param && *param ? cJSON_AddStringToObject(err, "param", param) != NULL
+                             : cJSON_AddNullToObject(err, "param") != NULL) &&
             (code ? cJSON_AddStringToObject(err, "code", code) != NULL
                   : cJSON_AddNullToObject(err, "code") != NULL);
   char *s = ok ? cJSON_PrintUnformatted(root) : NULL;

@@ -38,7 +38,7 @@ void router_gc(router *r) {
 }
 
 char *router_error_json(int status, const char *msg, const char *code) {
-  return pd_http_error_json(msg, pd_http_error_type(status), code);
+  return pd_http_error_json(msg, pd_http_error_type(status), code, NULL);
 }
 
 /* ---- ZeroMQ on the event loop ---- */
@@ -220,8 +220,11 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
       {"client-port", PD_OPT_INT, &o->client_port, "N",
        "ZeroMQ client API port (5601; -1 = off)", NULL},
       {"api-key", PD_OPT_STR, &o->api_key, "KEY", "require Authorization: Bearer KEY", NULL},
-      {"max-queue", PD_OPT_INT, &o->max_queue, "N", "choices waiting for capacity before 429 "
-       "(256)", NULL},
+      {"allowed-origins", PD_OPT_STR, &o->allowed_origins, "LIST",
+       "CORS: origins allowed to call the HTTP API from a browser, comma-separated, or * for "
+       "any (off)", NULL},
+      {"max-queue", PD_OPT_INT, &o->max_queue, "N", "choices waiting for capacity, and prompts "
+       "waiting for the tokenizer, before 429; a request of more choices is a 400 (256)", NULL},
       {"max-n", PD_OPT_INT, &o->max_n, "N", "largest n (16)", NULL},
       {"default-max-tokens", PD_OPT_INT, &o->default_max_tokens, "N",
        "max_tokens of completions when absent (16)", NULL},
@@ -406,6 +409,7 @@ int main(int argc, char **argv) {
   hc.max_connections_per_ip = r->o.max_connections_per_ip;
   hc.busy_timeout_ms = (uint32_t)r->o.busy_timeout_ms;
   hc.limits.max_body_bytes = (size_t)r->o.max_body_mb << 20;
+  hc.allowed_origins = r->o.allowed_origins;
   hc.on_request = api_http_handler;
   hc.ud = r;
   r->http = pd_http_server_new(r->loop, &hc, &e);

@@ -45,6 +45,7 @@ typedef struct api_prep api_prep;
 typedef struct router_opts {
   const char *model_dir, *served_name, *host, *bind, *api_key, *ready_file;
   const char *curve_secret_file, *curve_secret_key, *curve_allow_file;
+  const char *allowed_origins; /* CORS: NULL = off */
   int port, cluster_port, client_port;
   int max_queue, max_n, default_max_tokens, max_body_mb, max_connections, max_model_len;
   int max_connections_per_ip, busy_timeout_ms, max_prompt_mb, tokenizer_threads;
@@ -158,6 +159,7 @@ struct rsub {
   size_t n_text, cap_text;
   int n_out_tokens;     /* tokens counted as output (up to a stop string) */
   bool role_sent, echo_sent; /* stream: chat role delta / completion echo went out */
+  bool finish_sent;          /* stream: the chunk with finish_reason went out */
   pd_logprobs *lp_store;     /* ZeroMQ non-stream: logprobs of the output tokens */
   int n_lp_store, cap_lp_store;
   cJSON *lp_acc;        /* non-stream logprobs under construction */
@@ -186,7 +188,14 @@ int route_active_subs(router *r);
 
 /* ---- requests and output (api*.c) ---- */
 
-typedef enum api_kind { API_COMPLETIONS = 0, API_CHAT, API_GENERATE, API_ZMQ } api_kind;
+typedef enum api_kind {
+  API_COMPLETIONS = 0,
+  API_CHAT,
+  API_GENERATE,
+  API_ZMQ,
+  API_TOKENIZE,   /* POST /tokenize: answered from the worker pool, never routed */
+  API_DETOKENIZE, /* POST /detokenize: likewise */
+} api_kind;
 
 typedef struct prompt {
   int32_t *ids;
@@ -224,6 +233,7 @@ struct rreq {
   char client_id[PD_WIRE_ID_MAX_BYTES + 1];
   uint32_t timeout_ms; /* ZeroMQ: the client's deadline (0: --request-timeout) */
   api_prep *prep;      /* its prompts are being made in the worker pool (api_prep.c) */
+  char err_param[128]; /* a refusal's "param": the request field at fault ("" for none) */
   /* lifecycle */
   bool cancelled, finished, retired;
   rreq *next_all, *prev_all;
@@ -242,13 +252,19 @@ void text_feed(router *r, rsub *s, const int32_t *ids, int n, bool final, size_t
                size_t *delta_len, bool *stopped, int *used);
 void text_free(rsub *s);
 /* Prompt logprobs from a FirstToken in vLLM's shape: [null, {"<id>": {logprob, rank,
- * decoded_token}}, ...]. */
+ * decoded_token}}, ...], the prompt token first in each position. */
 cJSON *prompt_lp_json(router *r, rsub *s, Pd__TokenLogprob *const *lps, int n);
 /* Token strings for logprobs output. */
 char *token_str(router *r, int32_t id); /* malloc'ed */
 /* Logprobs of n tokens in the OpenAI shape of q->kind (completions: {tokens, token_logprobs,
- * top_logprobs, text_offset}; chat: {content: [...]}) appended to acc (created when NULL). */
+ * top_logprobs, text_offset}; chat: {content: [...]}) appended to acc (created when NULL).
+ * Completions' top_logprobs hold the chosen token and then the most likely others, at most
+ * logprobs + 1 entries (vLLM; so logprobs 0 gives the chosen token alone); chat's hold the
+ * top_logprobs most likely tokens (OpenAI). */
 cJSON *lp_append(router *r, rreq *q, cJSON *acc, const pd_logprobs *lps, int n, size_t offset0);
+/* echo with logprobs (completions): the prompt's tokens in the completions shape, built from
+ * s->prompt_lp (the first token has null logprob and top_logprobs, as in vLLM). */
+cJSON *echo_lp_json(router *r, rsub *s);
 
 /* api_prep.c: preparing prompts off the loop.
  * Tokenizing costs about 0.2 s per MB of prompt and rendering a chat template about as much, so
@@ -277,14 +293,21 @@ const char *api_prep_keep(api_prep *p, const char *s, size_t n); /* NULL: out of
 bool api_prep_text(api_prep *p, const char *text, size_t len, bool add_special);
 bool api_prep_ids(api_prep *p, int32_t *ids, int n);
 /* Or chat messages (array taken over) for the chat template: 0, or 400 with msg when the model
- * has none. */
-int api_prep_chat(api_prep *p, pd_chat_msg *msgs, int n, bool add_gen, bool cont, char *msg,
-                  size_t cap);
+ * has none. add_special: the tokenizer's own special tokens on top of the template's
+ * (/tokenize only; generation never adds them). */
+int api_prep_chat(api_prep *p, pd_chat_msg *msgs, int n, bool add_gen, bool cont,
+                  bool add_special, char *msg, size_t cap);
+/* For API_TOKENIZE and API_DETOKENIZE requests: the job also renders the answer (the token ids
+ * and, with token_strs, their vocabulary strings, and max_model_len; or the decoded text of its
+ * token ids), which goes out through api_http_reply. */
+void api_prep_reply(api_prep *p, bool token_strs, int max_model_len);
 /* Submits p (always consumed). 0: the request goes on from the pool, or before this returns
  * when there is nothing to tokenize (the caller must not touch q after 0). Otherwise an HTTP
- * status with msg and *code for the caller to refuse the request with: 400 when the prompt text
- * (or the roles and contents of the messages) is over --max-prompt-mb, checked before any
- * tokenizing; 429 when --max-queue jobs are already waiting for the pool. */
+ * status with msg and *code (and q->err_param) for the caller to refuse the request with,
+ * decided before any tokenizing: 400 when the prompt text (or the roles and contents of the
+ * messages) is over --max-prompt-mb, or when n x prompts is over --max-queue (the request could
+ * never be admitted); 429 when --max-queue jobs are already waiting for the pool (retrying
+ * later can succeed). */
 int api_prep_submit(api_prep *p, char *msg, size_t cap, const char **code);
 void api_prep_detach(rreq *q);
 int api_prep_in_flight(router *r); /* jobs in the pool */
@@ -306,13 +329,16 @@ const char *api_error_code_str(Pd__ErrorCode c);
  * subs, deadline (q->timeout_ms, else --request-timeout). Returns 0 or an HTTP status with msg
  * set. */
 int api_req_prepare(router *r, rreq *q, char *msg, size_t cap, const char **code);
-/* Refuses a new request with 429 / 503 when the queue is full or no node can take it: 0 or the
- * status with msg. */
+/* Refuses a new request with 429 when the queue is full for now, 400 when its choices could
+ * never fit the queue, 503 when no node can take it: 0 or the status with msg. */
 int api_req_admit(router *r, rreq *q, char *msg, size_t cap);
 /* Output side for HTTP requests (api.c) and ZMQ requests (api_zmq.c). */
 void api_http_tokens(router *r, rsub *s, size_t off, size_t len, const pd_logprobs *lps, int n);
 void api_http_sub_done(router *r, rsub *s);
 void api_http_req_done(router *r, rreq *q);
+/* Answers q (taken from the worker pool: /tokenize, /detokenize) with 200 and json[0, len),
+ * and lets it go. */
+void api_http_reply(router *r, rreq *q, const char *json, size_t len);
 
 /* api_zmq.c */
 void zapi_on_message(router *r, const pd_net_msg *m);

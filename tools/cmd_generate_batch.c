@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "pd/json.h"
 #include "pd/oai.h"
 #include "pd/runtime.h"
 #include "pdctl.h"
@@ -210,9 +211,13 @@ int cmd_generate_batch(int argc, char **argv) {
     int idx = b.n_items++;
     item *it = &b.items[idx];
     memset(it, 0, sizeof *it);
-    cJSON *obj = cJSON_ParseWithLength(line, (size_t)len);
+    pd_json_error je;
+    cJSON *obj = pd_json_parse(line, (size_t)len, &je);
     if (!obj || !cJSON_IsObject(obj)) {
-      it->error = line_error("the line is not a JSON object");
+      char why[512];
+      snprintf(why, sizeof why, "the line is not a JSON object%s%s%s%s", obj ? "" : ": ",
+               obj ? "" : je.msg, obj || !je.param[0] ? "" : " at ", obj ? "" : je.param);
+      it->error = line_error(why);
       cJSON_Delete(obj);
       continue;
     }
@@ -221,7 +226,7 @@ int cmd_generate_batch(int argc, char **argv) {
     it->error = line_prompt(&rt, obj, &ids, &n);
     pd_oai_params op;
     if (!it->error) {
-      if (pd_oai_params_parse(obj, default_max, &op, &e) != PD_OK) {
+      if (pd_oai_params_parse(obj, default_max, &op, NULL, &e) != PD_OK) {
         it->error = line_error(e.msg);
       } else {
         it->n_prompt = (int)n;

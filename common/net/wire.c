@@ -70,6 +70,50 @@ void pd_wire_msg_clear(pd_wire_msg *m) {
   m->budget_ = 0;
 }
 
+static bool get_varint(const uint8_t *b, size_t n, size_t *i, uint64_t *v) {
+  *v = 0;
+  for (int shift = 0; shift < 64 && *i < n; shift += 7) {
+    uint8_t c = b[(*i)++];
+    *v |= (uint64_t)(c & 0x7f) << shift;
+    if (!(c & 0x80)) return true;
+  }
+  return false;
+}
+
+/* The name of a string field of the encoded message b[0, n) of type d (at any depth) that holds
+ * a NUL byte, or NULL. protobuf-c hands strings over as C strings, so such a string would end
+ * at its NUL without a word (a prompt cut short, as a raw NUL in JSON once did over HTTP); the
+ * JSON API refuses U+0000 the same way. Encodings the unpacker refused never get here. */
+static const char *nul_in_strings(const ProtobufCMessageDescriptor *d, const uint8_t *b, size_t n,
+                                  int depth) {
+  size_t i = 0;
+  while (i < n) {
+    uint64_t key, v;
+    if (!get_varint(b, n, &i, &key)) return NULL;
+    switch (key & 7) {
+      case 0:
+        if (!get_varint(b, n, &i, &v)) return NULL;
+        break;
+      case 1: i += 8; break;
+      case 5: i += 4; break;
+      case 2: {
+        if (!get_varint(b, n, &i, &v) || v > n - i) return NULL;
+        const ProtobufCFieldDescriptor *f =
+            protobuf_c_message_descriptor_get_field(d, (unsigned)(key >> 3));
+        if (f && f->type == PROTOBUF_C_TYPE_STRING && memchr(b + i, 0, (size_t)v)) return f->name;
+        if (f && f->type == PROTOBUF_C_TYPE_MESSAGE && depth < 16) {
+          const char *name = nul_in_strings(f->descriptor, b + i, (size_t)v, depth + 1);
+          if (name) return name;
+        }
+        i += (size_t)v;
+        break;
+      }
+      default: return NULL;
+    }
+  }
+  return NULL;
+}
+
 pd_status pd_wire_decode(pd_wire_msg *m, const void *buf, size_t len, const pd_wire_limits *l,
                          pd_err *e) {
   pd_wire_msg_clear(m);
@@ -90,6 +134,11 @@ pd_status pd_wire_decode(pd_wire_msg *m, const void *buf, size_t len, const pd_w
                       "undecodable message (%zu bytes): not a pd.Envelope, or it expands past "
                       "%zu bytes",
                       len, l->max_alloc_bytes);
+  }
+  const char *nul = nul_in_strings(&pd__envelope__descriptor, buf, len, 0);
+  if (nul) {
+    pd_wire_msg_clear(m);
+    return pd_err_set(e, PD_EINVAL, "the string field %s holds a NUL byte", nul);
   }
   pd_status st = pd_wire_validate(m->env, l, e);
   if (st != PD_OK) pd_wire_msg_clear(m);

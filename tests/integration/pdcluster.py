@@ -271,6 +271,23 @@ class Cluster:
         return bad
 
 
+def run_checks(cluster, checks, chk, name="", n_prefill=1, n_decode=1):
+    """Starts cluster (n_prefill prefill and n_decode decode nodes), runs checks(cluster, chk)
+    (an exception is a failed check), prints the logs when a check failed, stops the cluster
+    and checks its logs for sanitizer reports."""
+    label = f"{name}: " if name else ""
+    try:
+        cluster.up(n_prefill, n_decode)
+        checks(cluster, chk)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
+        chk.ok(False, f"{label}exception: {e!r}")
+    if chk.failures:
+        print(cluster.logs())
+    chk.eq(cluster.down(), [], f"{label}no sanitizer reports")
+
+
 def metric(text, name, labels=None):
     """Sum of the samples of a series in Prometheus text (labels: dict subset to match)."""
     total = 0.0
@@ -324,6 +341,58 @@ def stream_completion(url, body, on_chunk=None, timeout=60):
             if on_chunk:
                 on_chunk(n)
     return text, finish, err, done, time.time() - t0
+
+
+# ---- a few lines of protobuf, for tests of the ZeroMQ client API (proto/pd.proto) ----
+
+def pb_varint(v):
+    out = bytearray()
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        out.append(b | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+def pb_field(num, v):
+    """One field: an int as a varint, str or bytes length-delimited (a string, bytes or an
+    encoded message)."""
+    if isinstance(v, int):
+        return pb_varint(num << 3) + pb_varint(v)
+    if isinstance(v, str):
+        v = v.encode()
+    return pb_varint(num << 3 | 2) + pb_varint(len(v)) + v
+
+
+def pb_decode(b):
+    """The fields of one encoded message: {field number: [values]} (varints as ints, the rest as
+    bytes), for the caller to decode further."""
+    out, i = {}, 0
+
+    def rd(i):
+        v, s = 0, 0
+        while True:
+            c = b[i]
+            i += 1
+            v |= (c & 0x7F) << s
+            s += 7
+            if not c & 0x80:
+                return v, i
+    while i < len(b):
+        key, i = rd(i)
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = rd(i)
+        elif wt == 2:
+            n, i = rd(i)
+            v, i = b[i:i + n], i + n
+        elif wt == 5:
+            v, i = b[i:i + 4], i + 4
+        else:
+            v, i = b[i:i + 8], i + 8
+        out.setdefault(num, []).append(v)
+    return out
 
 
 def pdctl_generate(build, prompt=None, chat=None, max_tokens=32, extra=()):

@@ -28,17 +28,9 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Node:\n    def
 
 def main():
     a = pc.args()
-    c = pc.Cluster(a.build)
     chk = pc.Checks()
-    try:
-        c.up(1, 2)
-        run(c, chk)
-    except Exception as e:  # noqa: BLE001
-        import traceback
-        traceback.print_exc()
-        chk.ok(False, f"exception: {e!r}")
-    chk.eq(c.down(), [], "no sanitizer reports")
-    return chk.done(c)
+    pc.run_checks(pc.Cluster(a.build), run, chk, n_decode=2)
+    return chk.done()
 
 
 def sse_events(resp):

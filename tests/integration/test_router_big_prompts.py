@@ -47,74 +47,28 @@ def python_text(nbytes):
     return "".join(parts)[:nbytes]
 
 
-# ---- a few lines of protobuf, for the ZeroMQ client API (proto/pd.proto) ----
-
-def pb_varint(v):
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
-def pb_field(num, v):
-    if isinstance(v, int):
-        return pb_varint(num << 3) + pb_varint(v)
-    if isinstance(v, str):
-        v = v.encode()
-    return pb_varint(num << 3 | 2) + pb_varint(len(v)) + v
-
-
-def pb_decode(b):
-    out, i = {}, 0
-
-    def rd(i):
-        v, s = 0, 0
-        while True:
-            c = b[i]
-            i += 1
-            v |= (c & 0x7F) << s
-            s += 7
-            if not c & 0x80:
-                return v, i
-    while i < len(b):
-        key, i = rd(i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = rd(i)
-        elif wt == 2:
-            n, i = rd(i)
-            v, i = b[i:i + n], i + n
-        elif wt == 5:
-            v, i = b[i:i + 4], i + 4
-        else:
-            v, i = b[i:i + 8], i + 8
-        out.setdefault(num, []).append(v)
-    return out
-
+# ---- the ZeroMQ client API, with pdcluster's few lines of protobuf ----
 
 def zmq_generate(rid, prompt, max_tokens=8):
-    req = (pb_field(1, rid) + pb_field(3, prompt) +
-           pb_field(6, pb_field(6, max_tokens)))  # sampling.max_tokens
-    return pb_field(1, 1) + pb_field(2, "test") + pb_field(10, req)
+    req = (pc.pb_field(1, rid) + pc.pb_field(3, prompt) +
+           pc.pb_field(6, pc.pb_field(6, max_tokens)))  # sampling.max_tokens
+    return pc.pb_field(1, 1) + pc.pb_field(2, "test") + pc.pb_field(10, req)
 
 
 def zmq_cancel(rid):
-    return pb_field(1, 1) + pb_field(2, "test") + pb_field(11, pb_field(1, rid))
+    return pc.pb_field(1, 1) + pc.pb_field(2, "test") + pc.pb_field(11, pc.pb_field(1, rid))
 
 
 def zmq_chunks(sock, timeout_s):
     """GenerateChunks as dicts {id, finish, code, message} until timeout_s of silence."""
     out = []
     while sock.poll(int(timeout_s * 1000)):
-        env = pb_decode(sock.recv())
+        env = pc.pb_decode(sock.recv())
         if 12 not in env:
             out.append({"id": None, "finish": None, "code": None, "message": repr(env)})
             continue
-        ch = pb_decode(env[12][0])
-        err = pb_decode(ch[10][0]) if 10 in ch else {}
+        ch = pc.pb_decode(env[12][0])
+        err = pc.pb_decode(ch[10][0]) if 10 in ch else {}
         out.append({"id": ch.get(1, [b""])[0].decode(), "finish": ch.get(6, [0])[0],
                     "code": err.get(1, [0])[0], "message": err.get(2, [b""])[0].decode()})
         if out[-1]["finish"] or out[-1]["code"]:

@@ -345,8 +345,8 @@ static size_t transcript(const char *buf, size_t n, int strategy, char *out, siz
       pd_http_parser_reset(p);
     } else if (r == PD_HTTP_PARSE_ERROR) {
       int st = pd_http_parser_error_status(p);
-      CHECK(st == 400 || st == 413 || st == 414 || st == 417 || st == 431 || st == 501 ||
-            st == 505);
+      CHECK(st == 0 || st == 400 || st == 413 || st == 414 || st == 417 || st == 431 ||
+            st == 501 || st == 505); /* 0: a TLS handshake byte */
       if (o + 16 < cap) o += (size_t)snprintf(out + o, cap - o, "E%d", st);
       break;
     } else {
@@ -494,7 +494,7 @@ static void test_helpers(void) {
   CHECK(strcmp(pd_http_error_type(500), "server_error") == 0);
 
   const char *msg = "bad \"prompt\"\n\t\\ \x01 caf\xc3\xa9";
-  char *js = pd_http_error_json(msg, "invalid_request_error", "context_length_exceeded");
+  char *js = pd_http_error_json(msg, "invalid_request_error", "context_length_exceeded", "");
   REQUIRE(js);
   cJSON *root = cJSON_Parse(js);
   REQUIRE(root);
@@ -507,18 +507,69 @@ static void test_helpers(void) {
   CHECK(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(err, "param")));
   cJSON_Delete(root);
   free(js);
-  js = pd_http_error_json("x", NULL, NULL);
+  js = pd_http_error_json("x", NULL, NULL, NULL);
   REQUIRE(js);
   root = cJSON_Parse(js);
   REQUIRE(root);
   err = cJSON_GetObjectItemCaseSensitive(root, "error");
+  CHECK(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(err, "param")));
   CHECK(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(err, "code")));
   CHECK(strcmp(cJSON_GetObjectItemCaseSensitive(err, "type")->valuestring, "server_error") == 0);
   cJSON_Delete(root);
   free(js);
+  js = pd_http_error_json("x", NULL, NULL, "messages.[0].content"); /* the parameter at fault */
+  REQUIRE(js);
+  root = cJSON_Parse(js);
+  REQUIRE(root);
+  err = cJSON_GetObjectItemCaseSensitive(root, "error");
+  CHECK(cJSON_IsString(cJSON_GetObjectItemCaseSensitive(err, "param")) &&
+        !strcmp(cJSON_GetObjectItemCaseSensitive(err, "param")->valuestring, "messages.[0].content"));
+  cJSON_Delete(root);
+  free(js);
+}
+
+/* Bytes that are not HTTP are refused as they arrive, not after a header timeout: a TLS
+ * ClientHello with status 0 (close, no answer), other garbage with 400. A method of 32 token
+ * characters still parses; the split between method and target may fall anywhere. */
+static void test_not_http(void) {
+  static const char hello[] = "\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03";
+  struct {
+    const char *bytes;
+    size_t n;
+    int status;
+  } cases[] = {
+      {hello, sizeof hello - 1, 0},
+      {hello, 1, 0},
+      {"\x00\x01\x02\x03", 4, 400},
+      {"\r\n\x80" "abc", 6, 400},
+      {"GET\t/ HTTP/1.1", 14, 400},
+      {"AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", 63, 400},
+      {" GET / HTTP/1.1", 15, 400},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    pd_http_parser *p = mk();
+    size_t used = 0;
+    pd_http_parse_result r = pd_http_parser_feed(p, cases[i].bytes, cases[i].n, &used);
+    CHECKF(r == PD_HTTP_PARSE_ERROR && pd_http_parser_error_status(p) == cases[i].status,
+           "case %zu: result %d status %d", i, r, pd_http_parser_error_status(p));
+    pd_http_parser_free(p);
+  }
+  char req[128];
+  int k = snprintf(req, sizeof req, "%s / HTTP/1.1\r\nHost: a\r\n\r\n",
+                   "ABCDEFGHIJKLMNOPQRSTUVWXYZABCDEF"); /* 32 characters */
+  for (size_t cut = 0; cut <= 40; cut++) {
+    pd_http_parser *p = mk();
+    size_t u1 = 0, u2 = 0;
+    pd_http_parse_result r = pd_http_parser_feed(p, req, cut, &u1);
+    CHECKF(r == PD_HTTP_PARSE_MORE, "cut %zu: %d", cut, r);
+    r = pd_http_parser_feed(p, req + cut, (size_t)k - cut, &u2);
+    CHECKF(r == PD_HTTP_PARSE_DONE, "cut %zu: %d (%s)", cut, r, pd_http_parser_error_msg(p));
+    pd_http_parser_free(p);
+  }
 }
 
 int main(void) {
+  test_not_http();
   test_simple_get();
   test_post_and_pipelining();
   test_chunked();

@@ -529,6 +529,48 @@ static pd_status decode_mutated(int k, void (*mutate)(Pd__Envelope *), const pd_
   return st;
 }
 
+/* A NUL byte inside a string field (which protobuf-c would hand over cut short at the NUL)
+ * is refused at decode, at any depth: a chat message's content, a stop string. */
+static void test_nul_in_strings(void) {
+  pd_wire_limits l;
+  limits_node(&l);
+  static const char *const marks[] = {"abXcd", "stXop"};
+  for (int which = 0; which < 3; which++) {
+    Pd__Envelope env;
+    REQUIRE(build(0, &env));
+    Pd__ChatMessage cm = *env.generate->messages[1];
+    Pd__ChatMessage *cms[2] = {env.generate->messages[0], &cm};
+    env.generate->messages = cms;
+    cm.content = (char *)marks[0];
+    char *stops[1] = {(char *)marks[1]};
+    Pd__SamplingParams sp = *env.generate->sampling;
+    sp.n_stop = 1;
+    sp.stop = stops;
+    env.generate->sampling = &sp;
+    size_t n = pd_wire_encoded_size(&env);
+    uint8_t *buf = malloc(n);
+    REQUIRE(buf);
+    pd__envelope__pack(&env, buf);
+    if (which < 2) { /* 2: unchanged, must decode */
+      uint8_t *at = memmem(buf, n, marks[which], 5);
+      REQUIRE(at);
+      at[2] = 0;
+    }
+    pd_wire_msg m;
+    pd_wire_msg_init(&m);
+    pd_err e = {0};
+    pd_status st = pd_wire_decode(&m, buf, n, &l, &e);
+    if (which == 2) {
+      CHECKF(st == PD_OK, "%s", e.msg);
+    } else {
+      CHECK(st == PD_EINVAL && strstr(e.msg, "NUL") &&
+            strstr(e.msg, which == 0 ? "content" : "stop") && m.env == NULL);
+    }
+    pd_wire_msg_clear(&m);
+    free(buf);
+  }
+}
+
 static int32_t bad_prompt[] = {1, 2, VOCAB};
 static int32_t neg_prompt[] = {1, -5, 2};
 static int32_t dup_blocks[] = {3, 4, 3};
@@ -915,6 +957,7 @@ static void test_fuzz(void) {
 int main(void) {
   test_roundtrip();
   test_validation();
+  test_nul_in_strings();
   test_fuzz();
   return pd_test_finish("test_net_wire");
 }

@@ -93,8 +93,9 @@ typedef struct pd_sampling_params {
 void pd_sampling_params_init(pd_sampling_params *p);
 
 /* Checks every field against vLLM's ranges (above) and the ids in logit_bias and
- * stop_token_ids against vocab_size. PD_EINVAL with an OpenAI-style message naming the
- * field ("top_p must be in (0, 1], got 0"); PD_OK otherwise. */
+ * stop_token_ids against vocab_size. PD_EINVAL with an OpenAI-style message that starts with
+ * the field's name ("top_p must be in (0, 1], got 0": pd_oai_params_validate reports it as the
+ * error's param); PD_OK otherwise. */
 pd_status pd_sampling_params_validate(const pd_sampling_params *p, int32_t vocab_size,
                                       pd_err *e);
 
