@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "pd/client.h"
 #include "pdctl.h"
@@ -83,20 +82,6 @@ static bool on_chunk(const Pd__GenerateChunk *c, void *ud) {
   return !g_interrupted && !s->oom;
 }
 
-/* A CURVE key given as Z85 text, or as a certificate file (pd_curve_keypair_load). */
-static pd_status load_key(const char *arg, bool secret, pd_curve_keypair *kp, pd_err *e) {
-  struct stat st;
-  memset(kp, 0, sizeof *kp);
-  if (stat(arg, &st) == 0) {
-    pd_status s = pd_curve_keypair_load(arg, kp, e);
-    if (s == PD_OK && secret && !kp->secret_z85[0])
-      return pd_err_set(e, PD_EINVAL, "%s holds no secret key", arg);
-    return s;
-  }
-  if (secret) return pd_curve_keypair_from_secret(arg, kp, e);
-  return pd_curve_key_parse(arg, NULL, kp->public_z85, e);
-}
-
 int cmd_client(int argc, char **argv) {
   const char *endpoint = NULL, *prompt = NULL, *chat = NULL, *system_msg = NULL, *ids_s = NULL,
              *model = NULL, *stop = NULL, *server_key = NULL, *client_key = NULL;
@@ -159,11 +144,11 @@ int cmd_client(int argc, char **argv) {
   co.idle_timeout_ms = timeout_ms;
   co.name = "pdctl";
   if (server_key) {
-    if (load_key(server_key, false, &skey, &e) != PD_OK)
+    if (pd_curve_key_arg(server_key, false, &skey, &e) != PD_OK)
       return pdctl_fail("--server-key: %s", e.msg);
     co.server_public_key = skey.public_z85;
     if (client_key) {
-      if (load_key(client_key, true, &ckey, &e) != PD_OK)
+      if (pd_curve_key_arg(client_key, true, &ckey, &e) != PD_OK)
         return pdctl_fail("--client-key: %s", e.msg);
       co.client_keys = &ckey;
     }
