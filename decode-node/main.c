@@ -3,8 +3,8 @@
  * A request's life here:
  *   Reserve (router)        -> pd_sched_reserve: blocks for prompt + generated tokens, held
  *                              until the KV lands or the reservation's ttl passes
- *   KvTransferHeader (KV)   -> checked against the reservation (same block ids, same geometry,
- *                              CRC) and unpacked into the engine's cache: on a GPU copied
+ *   KvTransferHeader (KV)   -> checked against the reservation (its 128-bit token, the same
+ *                              block ids, the same geometry, CRC) and unpacked into the engine's cache: on a GPU copied
  *                              (with the CRC, over --kv-crc-threads) into a page-locked
  *                              buffer and unpacked from it in one DMA, else frame by frame
  *   KvTransferDone (KV)     -> every (layer, head) received: pd_sched_activate with the token
@@ -30,6 +30,7 @@ enum { D_RESERVED = 0, D_ACTIVE };
 typedef struct dreq {
   char id[PD_WIRE_ID_MAX_BYTES + 1];
   uint64_t sid, reservation_id;
+  uint8_t token[PD_WIRE_TOKEN_BYTES]; /* random: every KV message must carry it */
   int state;
   int n_prompt, n_gen_base, n_ctx;
   int32_t *blocks;
@@ -353,6 +354,16 @@ static void on_reserve(const Pd__Reserve *m) {
     return;
   }
   r->reservation_id = ++g.next_reservation;
+  if (pd_wire_random(r->token, sizeof r->token, &e) != PD_OK) {
+    pd_sched_abort(n->rt.sched, r->sid);
+    pd_metric_add(g.m_errors_internal, 1);
+    send_reserve_refusal(m->request_id, PD__ERROR_CODE__ERROR_CODE_INTERNAL, true, e.msg);
+    free(r->blocks);
+    free(r->coverage);
+    free(r->stop_ids);
+    free(r);
+    return;
+  }
   r->state = D_RESERVED;
   r->deadline_ms = pd_now_ms() + (m->ttl_ms ? m->ttl_ms : 30000);
   g.reqs[g.n_reqs++] = r;
@@ -363,6 +374,8 @@ static void on_reserve(const Pd__Reserve *m) {
   rr.request_id = r->id;
   rr.ok = true;
   rr.reservation_id = r->reservation_id;
+  rr.reservation_token.data = r->token;
+  rr.reservation_token.len = sizeof r->token;
   rr.n_block_ids = (size_t)r->nb;
   rr.block_ids = r->blocks;
   Pd__Envelope env;
@@ -411,10 +424,22 @@ static void on_router_reset(pd_node *n) {
 
 /* ---- the KV port ---- */
 
+/* The reservation a KV message names, when it names one fully: request id, reservation id and
+ * token (compared in constant time). The sender learns nothing from a refusal: every mismatch
+ * is "no such reservation". */
+static dreq *kv_reservation(const char *request_id, uint64_t reservation_id,
+                            ProtobufCBinaryData token) {
+  static const uint8_t none[PD_WIRE_TOKEN_BYTES];
+  dreq *r = find_by_id(request_id);
+  bool token_ok = pd_wire_token_eq(token, r ? r->token : none);
+  return r && token_ok && r->state == D_RESERVED && r->reservation_id == reservation_id ? r
+                                                                                        : NULL;
+}
+
 static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
   pd_node *n = &g.node;
-  dreq *r = find_by_id(h->request_id);
-  if (!r || r->reservation_id != h->reservation_id || r->state != D_RESERVED) {
+  dreq *r = kv_reservation(h->request_id, h->reservation_id, h->reservation_token);
+  if (!r) {
     send_kv_ack(m->routing_id, m->routing_id_len, h->request_id, h->reservation_id, false,
                 PD__ERROR_CODE__ERROR_CODE_NOT_FOUND, "no such reservation");
     return;
@@ -492,8 +517,8 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
 
 static void on_kv_done(const pd_net_msg *m, const Pd__KvTransferDone *d) {
   pd_node *n = &g.node;
-  dreq *r = find_by_id(d->request_id);
-  if (!r || r->reservation_id != d->reservation_id || r->state != D_RESERVED) {
+  dreq *r = kv_reservation(d->request_id, d->reservation_id, d->reservation_token);
+  if (!r) {
     send_kv_ack(m->routing_id, m->routing_id_len, d->request_id, d->reservation_id, false,
                 PD__ERROR_CODE__ERROR_CODE_NOT_FOUND, "no such reservation");
     return;

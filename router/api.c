@@ -22,6 +22,7 @@ int api_http_status(Pd__ErrorCode c) {
     case PD__ERROR_CODE__ERROR_CODE_TIMEOUT: return 504;
     case PD__ERROR_CODE__ERROR_CODE_NODE_FAILED: return 502;
     case PD__ERROR_CODE__ERROR_CODE_ABORTED: return 499;
+    case PD__ERROR_CODE__ERROR_CODE_UNAUTHORIZED: return 401;
     default: return 500;
   }
 }
@@ -37,6 +38,7 @@ const char *api_error_code_str(Pd__ErrorCode c) {
     case PD__ERROR_CODE__ERROR_CODE_ABORTED: return "aborted";
     case PD__ERROR_CODE__ERROR_CODE_PROTOCOL: return "protocol";
     case PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED: return "unsupported";
+    case PD__ERROR_CODE__ERROR_CODE_UNAUTHORIZED: return "invalid_api_key";
     default: return "internal";
   }
 }
@@ -75,6 +77,12 @@ static void respond_err(router *r, pd_http_req *req, api_kind kind, int status, 
 rreq *api_req_new(router *r, api_kind kind) {
   rreq *q = calloc(1, sizeof *q);
   if (!q) return NULL;
+  pd_err e = {0};
+  if (pd_wire_random_hex(q->wire, &e) != PD_OK) { /* the nodes' name for it: unguessable */
+    pd_log(PD_LOG_ERROR, "a new request's id: %s", e.msg);
+    free(q);
+    return NULL;
+  }
   q->r = r;
   q->kind = kind;
   q->num = ++r->next_req;

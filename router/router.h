@@ -130,6 +130,7 @@ struct rsub {
   char wire_id[PD_WIRE_ID_MAX_BYTES + 1];
   rnode *prefill, *decode;
   uint64_t reservation_id;
+  uint8_t reservation_token[PD_WIRE_TOKEN_BYTES];
   int32_t *blocks;
   int nb;
   /* output tokens received so far (all attempts) */
@@ -199,6 +200,7 @@ struct rreq {
   router *r;
   uint64_t num;
   char id[64];       /* response id: "cmpl-...", "chatcmpl-..." */
+  char wire[2 * PD_WIRE_TOKEN_BYTES + 1]; /* 128 random bits, hex: the base of its wire ids */
   api_kind kind;
   bool stream, include_usage, echo, skip_special, include_stop_str, continuous_usage;
   int lp_top;        /* -1: no logprobs; else alternatives per token */

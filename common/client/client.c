@@ -467,6 +467,7 @@ const char *pd_client_error_code_str(Pd__ErrorCode c) {
     case PD__ERROR_CODE__ERROR_CODE_PROTOCOL: return "protocol";
     case PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED: return "unsupported";
     case PD__ERROR_CODE__ERROR_CODE_INTERNAL: return "internal";
+    case PD__ERROR_CODE__ERROR_CODE_UNAUTHORIZED: return "unauthorized";
     default: return "unknown";
   }
 }

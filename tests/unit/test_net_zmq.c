@@ -172,6 +172,8 @@ static void *node_thread(void *arg) {
   Pd__KvTransferHeader h = PD__KV_TRANSFER_HEADER__INIT;
   h.request_id = "cmpl-1";
   h.reservation_id = 9;
+  static uint8_t token[PD_WIRE_TOKEN_BYTES] = {1, 2, 3};
+  h.reservation_token = (ProtobufCBinaryData){sizeof token, token};
   h.layer_begin = 0;
   h.layer_end = L;
   h.head_begin = 0;
