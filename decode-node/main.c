@@ -54,6 +54,7 @@ typedef struct dreq {
 typedef struct decode {
   pd_node node;
   void *kv_sock;
+  pd_hs_watch *kv_watch; /* KV-port handshakes that failed before ZAP (no keys, wrong key) */
   double last_step_s; /* the last step's wall time */
   dreq **reqs;
   int n_reqs, cap_reqs;
@@ -709,12 +710,14 @@ int main(int argc, char **argv) {
   if (n->have_keys) {
     so.curve_keys = &n->keys;
     so.curve_server = true;
+    so.zap_domain = n->auth ? "KV" : NULL; /* listed keys only (--curve-allow-file) */
     n->kv_curve = pd_curve_key_parse(n->keys.public_z85, n->kv_public_key, NULL, &e) == PD_OK;
   }
   g.kv_sock = pd_net_socket(n->zctx, &so, &e);
   char ep[256], bound[256];
   snprintf(ep, sizeof ep, "tcp://%s:%d", o.bind, o.kv_port);
-  if (!g.kv_sock || pd_net_bind(g.kv_sock, ep, bound, sizeof bound, &e) != PD_OK) {
+  if (!g.kv_sock || pd_net_bind(g.kv_sock, ep, bound, sizeof bound, &e) != PD_OK ||
+      (n->have_keys && !(g.kv_watch = pd_hs_watch_start(n->zctx, g.kv_sock, "KV", &e)))) {
     pd_log(PD_LOG_ERROR, "KV port %s: %s", ep, e.msg);
     pd_net_close(g.kv_sock);
     pd_node_close(n);
@@ -784,6 +787,7 @@ int main(int argc, char **argv) {
     }
     if (pd_now_ms() >= next_metrics) {
       pd_node_update_metrics(n);
+      pd_hs_watch_drain(g.kv_watch, &n->deny_log);
       next_metrics = pd_now_ms() + 250;
     }
   }
@@ -797,6 +801,7 @@ int main(int argc, char **argv) {
   if (!dead) pd_node_deregister(n, "shutdown", 500);
   on_router_reset(n);
   free(g.reqs);
+  pd_hs_watch_stop(g.kv_watch);
   pd_net_close(g.kv_sock);
   pd_node_close(n);
   return dead ? PD_NODE_EXIT_DEVICE : 0;

@@ -1003,20 +1003,26 @@ static void handle_generation(router *r, pd_http_req *req, const pd_http_request
   http_refuse(r, q, st, err, code);
 }
 
-static bool auth_ok(router *r, const pd_http_request *msg) {
+bool api_key_ok(router *r, const char *given) {
   const char *want = r->o.api_key;
   if (!want || !*want) return true;
+  if (!given) given = "";
+  /* constant time in the key: every byte of want is compared whatever differs */
+  size_t lw = strlen(want), lg = strlen(given);
+  unsigned char d = (unsigned char)(lw != lg);
+  for (size_t i = 0; i < lw; i++) d |= (unsigned char)(want[i] ^ (i < lg ? given[i] : 0));
+  return d == 0;
+}
+
+static bool auth_ok(router *r, const pd_http_request *msg) {
+  if (!r->o.api_key) return true;
   const char *h = pd_http_header_get(msg, "Authorization");
   const char *given = "";
   if (h && !strncasecmp(h, "Bearer ", 7)) {
     given = h + 7;
     while (*given == ' ') given++;
   }
-  /* constant time in the key: every byte of want is compared whatever differs */
-  size_t lw = strlen(want), lg = strlen(given);
-  unsigned char d = (unsigned char)(lw != lg);
-  for (size_t i = 0; i < lw; i++) d |= (unsigned char)(want[i] ^ (i < lg ? given[i] : 0));
-  return d == 0;
+  return api_key_ok(r, given);
 }
 
 static void handle_models(router *r, pd_http_req *req) {

@@ -408,7 +408,7 @@ static void deliver(router *r, rsub *s, const int32_t *ids, const pd_logprobs *l
 }
 
 static bool from(const pd_net_msg *m, const rnode *n) {
-  return n && m->routing_id_len == strlen(n->id) && !memcmp(m->routing_id, n->id, m->routing_id_len);
+  return n && m->routing_id_len == n->rid_len && !memcmp(m->routing_id, n->rid, n->rid_len);
 }
 
 static void on_reserve_reply(router *r, rnode *n, const Pd__ReserveReply *rr) {

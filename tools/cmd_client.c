@@ -84,7 +84,8 @@ static bool on_chunk(const Pd__GenerateChunk *c, void *ud) {
 
 int cmd_client(int argc, char **argv) {
   const char *endpoint = NULL, *prompt = NULL, *chat = NULL, *system_msg = NULL, *ids_s = NULL,
-             *model = NULL, *stop = NULL, *server_key = NULL, *client_key = NULL;
+             *model = NULL, *stop = NULL, *server_key = NULL, *client_key = NULL,
+             *api_key = NULL, *api_key_file = NULL;
   int max_tokens = 128, top_k = 0, n = 1, connect_ms = 5000, timeout_ms = 120000;
   double temperature = 1.0, top_p = 1.0, min_p = 0.0;
   unsigned long long seed = 0;
@@ -114,6 +115,9 @@ int cmd_client(int argc, char **argv) {
        "router client-port CURVE public key (Z85 or certificate file): encrypt", NULL},
       {"client-key", PD_OPT_STR, &client_key, "KEY|FILE",
        "own CURVE secret key (Z85 or certificate file); default: a random one", NULL},
+      {"api-key", PD_OPT_STR, &api_key, "KEY",
+       "the router's API key (visible in ps: prefer --api-key-file or PD_API_KEY)", NULL},
+      {"api-key-file", PD_OPT_STR, &api_key_file, "FILE", "the API key from a file", NULL},
       {"connect-timeout", PD_OPT_INT, &connect_ms, "MS", "connection timeout (default 5000)",
        NULL},
       {"timeout", PD_OPT_INT, &timeout_ms, "MS",
@@ -138,6 +142,7 @@ int cmd_client(int argc, char **argv) {
   if (client_key && !server_key) return pdctl_fail("--client-key needs --server-key");
 
   pd_curve_keypair skey, ckey;
+  memset(&ckey, 0, sizeof ckey);
   pd_client_opts co;
   pd_client_opts_init(&co);
   co.connect_timeout_ms = connect_ms;
@@ -215,10 +220,18 @@ int cmd_client(int argc, char **argv) {
     free(ids);
     return pdctl_fail("out of memory");
   }
-  pd_client *c = pd_client_connect(endpoint, &co, &e);
   int rc = 0;
   pd_client_result res;
   memset(&res, 0, sizeof res);
+  pd_client *c = NULL;
+  char *key = NULL; /* the API key, from --api-key, PD_API_KEY or --api-key-file */
+  if (pd_secret_opt("api-key", api_key, api_key_file, &key, &e) != PD_OK) {
+    rc = pdctl_fail("%s", e.msg);
+    goto done;
+  }
+  co.api_key = key;
+  c = pd_client_connect(endpoint, &co, &e);
+  pd_secret_free(key); /* the client keeps its own copy */
   if (!c) {
     rc = pdctl_fail("%s", e.msg);
     goto done;

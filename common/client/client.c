@@ -22,6 +22,7 @@ struct pd_client {
   char name[64];
   pd_curve_keypair keys;
   char server_key[PD_CURVE_Z85_LEN + 1];
+  char *api_key;     /* a copy of opts.api_key (NULL: none) */
   pd_wire_limits lim;
   pd_net_msg msg;
   uint64_t seq;      /* Envelope.seq of the next message */
@@ -155,6 +156,11 @@ pd_client *pd_client_connect(const char *endpoint, const pd_client_opts *o, pd_e
   c->opts.name = c->name;
   c->opts.client_keys = NULL; /* copied below; the caller's struct need not outlive us */
   c->opts.server_public_key = NULL;
+  c->opts.api_key = NULL;
+  if (o && o->api_key && *o->api_key && !(c->api_key = strdup(o->api_key))) {
+    pd_err_set(e, PD_ENOMEM, "out of memory");
+    goto fail;
+  }
   pd_wire_limits_init(&c->lim);
   pd_net_msg_init(&c->msg);
   c->nonce = (uint32_t)getpid() * 2654435761u ^ (uint32_t)(now_s() * 1e6);
@@ -219,6 +225,11 @@ void pd_client_close(pd_client *c) {
   pd_net_ctx_free(c->ctx);
   free(c->active);
   memset(&c->keys, 0, sizeof c->keys);
+  if (c->api_key) {
+    volatile char *k = c->api_key;
+    for (size_t i = 0; k[i]; i++) k[i] = 0;
+    free(c->api_key);
+  }
   free(c);
 }
 
@@ -239,7 +250,8 @@ pd_status pd_client_send(pd_client *c, Pd__GenerateRequest *req,
                          char id[PD_WIRE_ID_MAX_BYTES + 1], pd_err *e) {
   if (!c || !req) return pd_err_set(e, PD_EINVAL, "pd_client_send: no client or request");
   char gen[PD_WIRE_ID_MAX_BYTES + 1];
-  char *saved = req->request_id;
+  char *saved = req->request_id, *saved_key = req->api_key;
+  if (c->api_key && (!req->api_key || !req->api_key[0])) req->api_key = c->api_key;
   if (!req->request_id || !req->request_id[0]) {
     snprintf(gen, sizeof gen, "pdc-%08x-%llu", c->nonce, (unsigned long long)++c->next_id);
     req->request_id = gen;
@@ -277,6 +289,7 @@ pd_status pd_client_send(pd_client *c, Pd__GenerateRequest *req,
     if (id) snprintf(id, PD_WIRE_ID_MAX_BYTES + 1, "%s", req->request_id);
   }
   req->request_id = saved;
+  req->api_key = saved_key;
   return st;
 }
 

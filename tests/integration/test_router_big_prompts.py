@@ -32,6 +32,7 @@ import pdcluster as pc  # noqa: E402
 pc.ensure_packages(("requests", "requests"), ("zmq", "pyzmq"))
 import requests  # noqa: E402
 import zmq  # noqa: E402
+from pdcluster import pb_decode, pb_field  # noqa: E402
 
 MB = 1 << 20
 
@@ -47,62 +48,14 @@ def python_text(nbytes):
     return "".join(parts)[:nbytes]
 
 
-# ---- a few lines of protobuf, for the ZeroMQ client API (proto/pd.proto) ----
-
-def pb_varint(v):
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
-def pb_field(num, v):
-    if isinstance(v, int):
-        return pb_varint(num << 3) + pb_varint(v)
-    if isinstance(v, str):
-        v = v.encode()
-    return pb_varint(num << 3 | 2) + pb_varint(len(v)) + v
-
-
-def pb_decode(b):
-    out, i = {}, 0
-
-    def rd(i):
-        v, s = 0, 0
-        while True:
-            c = b[i]
-            i += 1
-            v |= (c & 0x7F) << s
-            s += 7
-            if not c & 0x80:
-                return v, i
-    while i < len(b):
-        key, i = rd(i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = rd(i)
-        elif wt == 2:
-            n, i = rd(i)
-            v, i = b[i:i + n], i + n
-        elif wt == 5:
-            v, i = b[i:i + 4], i + 4
-        else:
-            v, i = b[i:i + 8], i + 8
-        out.setdefault(num, []).append(v)
-    return out
-
-
 def zmq_generate(rid, prompt, max_tokens=8):
     req = (pb_field(1, rid) + pb_field(3, prompt) +
            pb_field(6, pb_field(6, max_tokens)))  # sampling.max_tokens
-    return pb_field(1, 1) + pb_field(2, "test") + pb_field(10, req)
+    return pb_field(1, pc.PROTOCOL_VERSION) + pb_field(2, "test") + pb_field(10, req)
 
 
 def zmq_cancel(rid):
-    return pb_field(1, 1) + pb_field(2, "test") + pb_field(11, pb_field(1, rid))
+    return pb_field(1, pc.PROTOCOL_VERSION) + pb_field(2, "test") + pb_field(11, pb_field(1, rid))
 
 
 def zmq_chunks(sock, timeout_s):
@@ -148,7 +101,7 @@ def main():
     zctx = zmq.Context()
 
     def zsock():
-        s = zctx.socket(zmq.DEALER)
+        s = c.zmq_curve(zctx.socket(zmq.DEALER))
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"tcp://127.0.0.1:{c.client_port}")
         return s
