@@ -197,6 +197,15 @@ static void on_signal(pd_evloop *loop, int fd, unsigned events, void *ud) {
 
 /* ---- flags ---- */
 
+/* What a router without node authentication (no keypair, or no allow list) lets happen. */
+static const char *unauthenticated(bool have_keys) {
+  return have_keys ? "any process that knows the router's public key can join the cluster (no "
+                     "--curve-allow-file)"
+                   : "any process that reaches the cluster port can join the cluster and read "
+                     "and change its requests (no CURVE keys)";
+}
+
+
 static int parse_opts(router_opts *o, int argc, char **argv) {
   memset(o, 0, sizeof *o);
   o->host = "127.0.0.1";
@@ -303,6 +312,14 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
     fprintf(stderr, "pd-router: %s\n", bad);
     return 1;
   }
+  bool keys = (o->curve_secret_file && *o->curve_secret_file) ||
+              (o->curve_secret_key && *o->curve_secret_key);
+  if (!o->insecure && (!keys || !o->curve_allow_file || !*o->curve_allow_file)) {
+    fprintf(stderr, "pd-router: refusing to start: %s; give --curve-secret-file FILE and "
+            "--curve-allow-file FILE (`pdctl keys generate` writes both), or --insecure for a "
+            "cluster without authentication\n", unauthenticated(keys));
+    return 1;
+  }
   return 0;
 }
 
@@ -330,23 +347,6 @@ static pd_status watch(router *r, void *sock, int *fd, pd_err *e) {
   if (zmq_getsockopt(sock, ZMQ_FD, fd, &sz) != 0)
     return pd_err_set(e, PD_EIO, "ZMQ_FD: %s", zmq_strerror(zmq_errno()));
   return pd_evloop_add_fd(r->loop, *fd, PD_EV_READ | PD_EV_EDGE, on_zmq_fd, r, e);
-}
-
-/* Without node authentication (no keypair, or no allow list): refused unless --insecure, which
- * makes it a loud warning. */
-static bool insecure_ok(router *r) {
-  const char *what = r->have_keys
-                         ? "any process that knows the router's public key can join the cluster "
-                           "(no --curve-allow-file)"
-                         : "any process that reaches the cluster port can join the cluster and "
-                           "read and change its requests (no CURVE keys)";
-  if (!r->o.insecure) {
-    pd_log(PD_LOG_WARN, "%s; give --curve-secret-file FILE and --curve-allow-file FILE (`pdctl "
-           "keys generate` writes both), or --insecure", what);
-    return true;
-  }
-  pd_log(PD_LOG_WARN, "--insecure: %s", what);
-  return true;
 }
 
 static int endpoint_port(const char *ep) {
@@ -426,8 +426,8 @@ int main(int argc, char **argv) {
       pd_log(PD_LOG_ERROR, "%s", e.msg);
       return 1;
     }
-  } else if (!insecure_ok(r)) {
-    return 1;
+  } else { /* --insecure (parse_opts refused the rest) */
+    pd_log(PD_LOG_WARN, "--insecure: %s", unauthenticated(r->have_keys));
   }
   int status = 1;
   if (bind_sock(r, r->o.cluster_port, "cluster", &r->cluster_sock, r->cluster_ep,

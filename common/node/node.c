@@ -126,9 +126,11 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   /* membership: a keypair, the router's key and (decode) the keys its KV port admits */
   char missing[256];
   membership_missing(o, decode, missing, sizeof missing);
-  if (missing[0] && !o->insecure)
-    fprintf(stderr, "%s: warning: not a cluster member without%s (`pdctl keys generate` writes "
-            "them), or --insecure\n", prog, missing + 1);
+  if (missing[0] && !o->insecure) {
+    fprintf(stderr, "%s: refusing to start: a node proves it belongs to the cluster with%s "
+            "(`pdctl keys generate` writes them); --insecure runs without\n", prog, missing + 1);
+    return 1;
+  }
   return 0;
 }
 
