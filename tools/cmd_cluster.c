@@ -214,6 +214,7 @@ static int become_supervisor(cluster *c, int status_fd) {
   close(nullfd);
   close(logfd);
   fcntl(status_fd, F_SETFD, 0); /* kept across exec (the processes it starts close it) */
+  for (int i = 0; cl_secret_env[i]; i++) unsetenv(cl_secret_env[i]); /* `up` took them */
   signal(SIGINT, SIG_DFL);
   signal(SIGTERM, SIG_DFL);
   char self[PATH_MAX], fd[16];
