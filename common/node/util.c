@@ -264,15 +264,17 @@ pd_hs_watch *pd_hs_watch_start(void *ctx, void *sock, const char *port_name, pd_
   return w;
 }
 
-/* What a ZMTP protocol error code (a monitor event's value) means for the peer. */
-static const char *hs_reason(uint32_t code) {
-  switch (code) {
-    case ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-      return "it offered no CURVE keys (a process without the cluster's keys)";
-    case ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-      return "its handshake did not decrypt (another server key)";
-    default: return "a broken handshake";
-  }
+/* What a failed handshake (a monitor event and its value) says about the peer, into out. */
+static void hs_reason(uint16_t ev, uint32_t code, char *out, size_t cap) {
+  if (ev != ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) /* the peer hung up first: it saw a mismatch */
+    snprintf(out, cap, "the handshake did not complete (a peer without the cluster's keys, or "
+                       "one that gave up)");
+  else if (code == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+    snprintf(out, cap, "it offered no CURVE keys (a process without the cluster's keys)");
+  else if (code == ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC)
+    snprintf(out, cap, "its handshake did not decrypt (another server key)");
+  else
+    snprintf(out, cap, "a broken handshake (ZMTP protocol error %#x)", (unsigned)code);
 }
 
 void pd_hs_watch_drain(pd_hs_watch *w, pd_log_limit *lim) {
@@ -296,9 +298,10 @@ void pd_hs_watch_drain(pd_hs_watch *w, pd_log_limit *lim) {
       if (zmq_msg_recv(&f, w->pair, 0) < 0) break;
     }
     zmq_msg_close(&f);
+    char why[128];
+    hs_reason(ev, val, why, sizeof why);
     if (pd_log_limit_ok(lim, "refused connections"))
-      pd_log(PD_LOG_WARN, "refused a connection to the %s port: %s", w->port,
-             ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ? hs_reason(val) : "a broken handshake");
+      pd_log(PD_LOG_WARN, "refused a connection to the %s port: %s", w->port, why);
   }
 }
 
