@@ -9,6 +9,8 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "pd/opts.h"
+
 /* A request sent on this client whose choices have not all finished: what pd_client_close
  * cancels. */
 typedef struct active_req {
@@ -225,11 +227,7 @@ void pd_client_close(pd_client *c) {
   pd_net_ctx_free(c->ctx);
   free(c->active);
   memset(&c->keys, 0, sizeof c->keys);
-  if (c->api_key) {
-    volatile char *k = c->api_key;
-    for (size_t i = 0; k[i]; i++) k[i] = 0;
-    free(c->api_key);
-  }
+  pd_secret_free(c->api_key);
   free(c);
 }
 
