@@ -83,7 +83,7 @@ static void on_cluster_msg(router *r, const pd_net_msg *m) {
       (!m->has_peer_key || memcmp(m->peer_key, n->key, PD_CURVE_KEY_BYTES) != 0)) {
     /* the node's connection, another key: never expected (the routing id is the node's
      * secret), so dropped and reported */
-    if (pd_log_limit_ok(&r->deny_log, "messages under another key"))
+    if (pd_log_limit_ok(&r->deny_log, "refusals"))
       pd_log(PD_LOG_WARN, "dropped a %s on node %s's connection: not sent with its key",
              pd_wire_body_name(env->body_case), n->id);
     return;
@@ -204,7 +204,6 @@ static const char *unauthenticated(bool have_keys) {
                    : "any process that reaches the cluster port can join the cluster and read "
                      "and change its requests (no CURVE keys)";
 }
-
 
 static int parse_opts(router_opts *o, int argc, char **argv) {
   memset(o, 0, sizeof *o);

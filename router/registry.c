@@ -158,7 +158,8 @@ static bool register_key_ok(router *r, const pd_net_msg *m, const Pd__Register *
   else if (bound && memcmp(bound, m->peer_key, PD_CURVE_KEY_BYTES) != 0)
     why = "the id is registered with another key";
   if (why) {
-    pd_log(PD_LOG_WARN, "refused node %s (CURVE key %s): %s", g->node_id, have, why);
+    if (pd_log_limit_ok(&r->deny_log, "refusals"))
+      pd_log(PD_LOG_WARN, "refused node %s (CURVE key %s): %s", g->node_id, have, why);
     register_reply(r, m, false, why);
     return false;
   }

@@ -227,7 +227,7 @@ void pd_curve_log_denials(pd_curve_auth *auth, pd_log_limit *lim) {
     lim->held += lost; /* fell out of the handler's record: counted only */
     lost = 0;
     for (int i = 0; i < n; i++)
-      if (pd_log_limit_ok(lim, "refused connections"))
+      if (pd_log_limit_ok(lim, "refusals"))
         pd_log(PD_LOG_WARN, "refused a connection to the %s port from %s (CURVE key %s): %s",
                d[i].domain[0] ? d[i].domain : "CURVE", d[i].address[0] ? d[i].address : "?",
                d[i].key_z85[0] ? d[i].key_z85 : "none", d[i].reason);
@@ -300,7 +300,7 @@ void pd_hs_watch_drain(pd_hs_watch *w, pd_log_limit *lim) {
     zmq_msg_close(&f);
     char why[128];
     hs_reason(ev, val, why, sizeof why);
-    if (pd_log_limit_ok(lim, "refused connections"))
+    if (pd_log_limit_ok(lim, "refusals"))
       pd_log(PD_LOG_WARN, "refused a connection to the %s port: %s", w->port, why);
   }
 }
