@@ -60,14 +60,19 @@ static const pd_opt *find(const pd_opt *opts, const char *name, size_t len) {
   return NULL;
 }
 
+/* The environment variable of flag --name: PD_NAME, '-' as '_' ("max-tokens": PD_MAX_TOKENS). */
+static void env_name(const char *name, char *out, size_t cap) {
+  size_t j = (size_t)snprintf(out, cap, "PD_");
+  for (const char *p = name; *p && j + 1 < cap; p++)
+    out[j++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
+  out[j] = 0;
+}
+
 pd_status pd_opts_parse(const pd_opt *opts, int argc, char **argv, int first, pd_err *e) {
   /* environment first: PD_MAX_TOKENS for --max-tokens */
   for (const pd_opt *o = opts; o->name; o++) {
-    char env[128] = "PD_";
-    size_t j = 3;
-    for (const char *p = o->name; *p && j < sizeof env - 1; p++)
-      env[j++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
-    env[j] = 0;
+    char env[128];
+    env_name(o->name, env, sizeof env);
     const char *v = getenv(env);
     if (v && *v) {
       pd_status st = set_value(o, v, env, e);
@@ -123,9 +128,12 @@ pd_status pd_secret_opt(const char *name, const char *value, const char *file, c
                         pd_err *e) {
   *out = NULL;
   bool has_value = value && *value, has_file = file && *file;
-  if (has_value && has_file)
-    return pd_err_set(e, PD_ERANGE, "give --%s or --%s-file, not both (PD_%s in the environment "
-                      "counts as --%s)", name, name, name, name);
+  if (has_value && has_file) {
+    char env[128];
+    env_name(name, env, sizeof env);
+    return pd_err_set(e, PD_ERANGE, "give --%s or --%s-file, not both (%s in the environment "
+                      "counts as --%s)", name, name, env, name);
+  }
   char what[4200];
   if (has_value) {
     snprintf(what, sizeof what, "--%s", name);
