@@ -3,8 +3,8 @@
  * A request's life here:
  *   Reserve (router)        -> pd_sched_reserve: blocks for prompt + generated tokens, held
  *                              until the KV lands or the reservation's ttl passes
- *   KvTransferHeader (KV)   -> checked against the reservation (same block ids, same geometry,
- *                              CRC) and unpacked into the engine's cache: on a GPU copied
+ *   KvTransferHeader (KV)   -> checked against the reservation (its 128-bit token, the same
+ *                              block ids, the same geometry, CRC) and unpacked into the engine's cache: on a GPU copied
  *                              (with the CRC, over --kv-crc-threads) into a page-locked
  *                              buffer and unpacked from it in one DMA, else frame by frame
  *   KvTransferDone (KV)     -> every (layer, head) received: pd_sched_activate with the token
@@ -30,6 +30,7 @@ enum { D_RESERVED = 0, D_ACTIVE };
 typedef struct dreq {
   char id[PD_WIRE_ID_MAX_BYTES + 1];
   uint64_t sid, reservation_id;
+  uint8_t token[PD_WIRE_TOKEN_BYTES]; /* random: every KV message must carry it */
   int state;
   int n_prompt, n_gen_base, n_ctx;
   int32_t *blocks;
@@ -54,6 +55,7 @@ typedef struct dreq {
 typedef struct decode {
   pd_node node;
   void *kv_sock;
+  pd_hs_watch *kv_watch; /* KV-port handshakes that failed before ZAP (no keys, wrong key) */
   double last_step_s; /* the last step's wall time */
   dreq **reqs;
   int n_reqs, cap_reqs;
@@ -354,6 +356,16 @@ static void on_reserve(const Pd__Reserve *m) {
     return;
   }
   r->reservation_id = ++g.next_reservation;
+  if (pd_wire_random(r->token, sizeof r->token, &e) != PD_OK) {
+    pd_sched_abort(n->rt.sched, r->sid);
+    pd_metric_add(g.m_errors_internal, 1);
+    send_reserve_refusal(m->request_id, PD__ERROR_CODE__ERROR_CODE_INTERNAL, true, e.msg);
+    free(r->blocks);
+    free(r->coverage);
+    free(r->stop_ids);
+    free(r);
+    return;
+  }
   r->state = D_RESERVED;
   r->deadline_ms = pd_now_ms() + (m->ttl_ms ? m->ttl_ms : 30000);
   g.reqs[g.n_reqs++] = r;
@@ -364,6 +376,8 @@ static void on_reserve(const Pd__Reserve *m) {
   rr.request_id = r->id;
   rr.ok = true;
   rr.reservation_id = r->reservation_id;
+  rr.reservation_token.data = r->token;
+  rr.reservation_token.len = sizeof r->token;
   rr.n_block_ids = (size_t)r->nb;
   rr.block_ids = r->blocks;
   Pd__Envelope env;
@@ -412,10 +426,22 @@ static void on_router_reset(pd_node *n) {
 
 /* ---- the KV port ---- */
 
+/* The reservation a KV message names, when it names one fully: request id, reservation id and
+ * token (compared in constant time). The sender learns nothing from a refusal: every mismatch
+ * is "no such reservation". */
+static dreq *kv_reservation(const char *request_id, uint64_t reservation_id,
+                            ProtobufCBinaryData token) {
+  static const uint8_t none[PD_WIRE_TOKEN_BYTES];
+  dreq *r = find_by_id(request_id);
+  bool token_ok = pd_wire_token_eq(token, r ? r->token : none);
+  return r && token_ok && r->state == D_RESERVED && r->reservation_id == reservation_id ? r
+                                                                                        : NULL;
+}
+
 static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
   pd_node *n = &g.node;
-  dreq *r = find_by_id(h->request_id);
-  if (!r || r->reservation_id != h->reservation_id || r->state != D_RESERVED) {
+  dreq *r = kv_reservation(h->request_id, h->reservation_id, h->reservation_token);
+  if (!r) {
     send_kv_ack(m->routing_id, m->routing_id_len, h->request_id, h->reservation_id, false,
                 PD__ERROR_CODE__ERROR_CODE_NOT_FOUND, "no such reservation");
     return;
@@ -493,8 +519,8 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
 
 static void on_kv_done(const pd_net_msg *m, const Pd__KvTransferDone *d) {
   pd_node *n = &g.node;
-  dreq *r = find_by_id(d->request_id);
-  if (!r || r->reservation_id != d->reservation_id || r->state != D_RESERVED) {
+  dreq *r = kv_reservation(d->request_id, d->reservation_id, d->reservation_token);
+  if (!r) {
     send_kv_ack(m->routing_id, m->routing_id_len, d->request_id, d->reservation_id, false,
                 PD__ERROR_CODE__ERROR_CODE_NOT_FOUND, "no such reservation");
     return;
@@ -685,12 +711,14 @@ int main(int argc, char **argv) {
   if (n->have_keys) {
     so.curve_keys = &n->keys;
     so.curve_server = true;
+    so.zap_domain = n->auth ? "KV" : NULL; /* listed keys only (--curve-allow-file) */
     n->kv_curve = pd_curve_key_parse(n->keys.public_z85, n->kv_public_key, NULL, &e) == PD_OK;
   }
   g.kv_sock = pd_net_socket(n->zctx, &so, &e);
   char ep[256], bound[256];
   snprintf(ep, sizeof ep, "tcp://%s:%d", o.bind, o.kv_port);
-  if (!g.kv_sock || pd_net_bind(g.kv_sock, ep, bound, sizeof bound, &e) != PD_OK) {
+  if (!g.kv_sock || pd_net_bind(g.kv_sock, ep, bound, sizeof bound, &e) != PD_OK ||
+      (n->have_keys && !(g.kv_watch = pd_hs_watch_start(n->zctx, g.kv_sock, "KV", &e)))) {
     pd_log(PD_LOG_ERROR, "KV port %s: %s", ep, e.msg);
     pd_net_close(g.kv_sock);
     pd_node_close(n);
@@ -761,6 +789,7 @@ int main(int argc, char **argv) {
     }
     if (pd_now_ms() >= next_metrics) {
       pd_node_update_metrics(n);
+      pd_hs_watch_drain(g.kv_watch, &n->deny_log);
       next_metrics = pd_now_ms() + 250;
     }
   }
@@ -774,6 +803,7 @@ int main(int argc, char **argv) {
   if (!dead) pd_node_deregister(n, "shutdown", 500);
   on_router_reset(n);
   free(g.reqs);
+  pd_hs_watch_stop(g.kv_watch);
   pd_net_close(g.kv_sock);
   pd_node_close(n);
   return dead ? PD_NODE_EXIT_DEVICE : 0;

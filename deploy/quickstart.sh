@@ -53,8 +53,8 @@ else
   # No curl: the same question through the router's ZeroMQ client API.
   client=$(sed -nE 's/.*"client_endpoint":[[:space:]]*"([^"]+)".*/\1/p' "$run_dir/cluster.json")
   echo "  assistant:"
-  "$pdctl" client --endpoint "$client" --chat "$question" --max-tokens 64 --temperature 0 \
-    --quiet | sed 's/^/    /'
+  "$pdctl" client --endpoint "$client" --server-key "$run_dir/keys/router.pub" \
+    --chat "$question" --max-tokens 64 --temperature 0 --quiet | sed 's/^/    /'
 fi
 echo
 echo "quickstart: done; the cluster is being stopped (logs stay in $run_dir)."

@@ -26,6 +26,7 @@ typedef struct preq {
   char endpoint[256];
   char dest_key[PD_CURVE_Z85_LEN + 1]; /* "" = plain */
   uint64_t reservation_id;
+  uint8_t reservation_token[PD_WIRE_TOKEN_BYTES]; /* the decode node's, sent with every KV message */
   int32_t *dest_blocks;
   int n_dest_blocks;
   int64_t t_start;
@@ -315,6 +316,8 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
     pd__kv_transfer_header__init(&h);
     h.request_id = r->id;
     h.reservation_id = r->reservation_id;
+    h.reservation_token.data = r->reservation_token;
+    h.reservation_token.len = sizeof r->reservation_token;
     h.chunk_index = n_chunks;
     h.layer_begin = (uint32_t)lb;
     h.layer_end = (uint32_t)le;
@@ -350,6 +353,8 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
   pd__kv_transfer_done__init(&d);
   d.request_id = r->id;
   d.reservation_id = r->reservation_id;
+  d.reservation_token.data = r->reservation_token;
+  d.reservation_token.len = sizeof r->reservation_token;
   d.n_chunks = n_chunks;
   d.total_bytes = total;
   d.n_tokens = (uint32_t)n_ctx;
@@ -512,6 +517,7 @@ static void on_prefill(const Pd__Prefill *m) {
     if (d->curve_public_key.len == PD_CURVE_KEY_BYTES)
       zmq_z85_encode(r->dest_key, d->curve_public_key.data, PD_CURVE_KEY_BYTES);
     r->reservation_id = d->reservation_id;
+    memcpy(r->reservation_token, d->reservation_token.data, sizeof r->reservation_token);
     r->n_dest_blocks = (int)d->n_block_ids;
     r->dest_blocks = malloc(d->n_block_ids * sizeof *r->dest_blocks);
     if (!r->dest_blocks) {

@@ -26,6 +26,7 @@ int api_http_status(Pd__ErrorCode c) {
     case PD__ERROR_CODE__ERROR_CODE_TIMEOUT: return 504;
     case PD__ERROR_CODE__ERROR_CODE_NODE_FAILED: return 502;
     case PD__ERROR_CODE__ERROR_CODE_ABORTED: return 499;
+    case PD__ERROR_CODE__ERROR_CODE_UNAUTHORIZED: return 401;
     default: return 500;
   }
 }
@@ -41,6 +42,7 @@ const char *api_error_code_str(Pd__ErrorCode c) {
     case PD__ERROR_CODE__ERROR_CODE_ABORTED: return "aborted";
     case PD__ERROR_CODE__ERROR_CODE_PROTOCOL: return "protocol";
     case PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED: return "unsupported";
+    case PD__ERROR_CODE__ERROR_CODE_UNAUTHORIZED: return "invalid_api_key";
     default: return "internal";
   }
 }
@@ -107,6 +109,12 @@ __attribute__((format(printf, 6, 7))) static int refuse_param(rreq *q, char *msg
 rreq *api_req_new(router *r, api_kind kind) {
   rreq *q = calloc(1, sizeof *q);
   if (!q) return NULL;
+  pd_err e = {0};
+  if (pd_wire_random_hex(q->wire, &e) != PD_OK) { /* the nodes' name for it: unguessable */
+    pd_log(PD_LOG_ERROR, "a new request's id: %s", e.msg);
+    free(q);
+    return NULL;
+  }
   q->r = r;
   q->kind = kind;
   q->num = ++r->next_req;
@@ -1132,20 +1140,26 @@ static void handle_detokenize(router *r, pd_http_req *req, const pd_http_request
   call_end(r, &h);
 }
 
-static bool auth_ok(router *r, const pd_http_request *msg) {
+bool api_key_ok(router *r, const char *given) {
   const char *want = r->o.api_key;
   if (!want || !*want) return true;
+  if (!given) given = "";
+  /* constant time in the key: every byte of want is compared whatever differs */
+  size_t lw = strlen(want), lg = strlen(given);
+  unsigned char d = (unsigned char)(lw != lg);
+  for (size_t i = 0; i < lw; i++) d |= (unsigned char)(want[i] ^ (i < lg ? given[i] : 0));
+  return d == 0;
+}
+
+static bool auth_ok(router *r, const pd_http_request *msg) {
+  if (!r->o.api_key) return true;
   const char *h = pd_http_header_get(msg, "Authorization");
   const char *given = "";
   if (h && !strncasecmp(h, "Bearer ", 7)) {
     given = h + 7;
     while (*given == ' ') given++;
   }
-  /* constant time in the key: every byte of want is compared whatever differs */
-  size_t lw = strlen(want), lg = strlen(given);
-  unsigned char d = (unsigned char)(lw != lg);
-  for (size_t i = 0; i < lw; i++) d |= (unsigned char)(want[i] ^ (i < lg ? given[i] : 0));
-  return d == 0;
+  return api_key_ok(r, given);
 }
 
 /* The served model as OpenAI's model object, with vLLM's extra fields. */

@@ -3,7 +3,9 @@
  * router answers with GenerateChunks on the same connection (a stream of deltas, or one chunk
  * per choice when stream = false; usage on the request's last chunk). A client that goes away
  * is noticed when a send to it fails (the ROUTER socket refuses unknown peers), or by the
- * request deadline; CancelRequest ends a request at once. */
+ * request deadline; CancelRequest ends a request at once (only the connection's own requests).
+ * With an API key (--api-key) every GenerateRequest must carry it (api_key): without it the
+ * request is refused with UNAUTHORIZED before anything else of it is looked at. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -131,6 +133,11 @@ static int prompt_input(api_prep *p, const Pd__GenerateRequest *g, char *msg, si
 
 static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateRequest *g) {
   char id[PD_WIRE_ID_MAX_BYTES + 1];
+  if (!api_key_ok(r, g->api_key)) { /* before anything else is looked at */
+    refuse(r, m->routing_id, m->routing_id_len, g->request_id,
+           PD__ERROR_CODE__ERROR_CODE_UNAUTHORIZED, "Invalid or missing API key");
+    return;
+  }
   rreq *q = api_req_new(r, API_ZMQ);
   if (!q) {
     refuse(r, m->routing_id, m->routing_id_len, g->request_id,

@@ -78,10 +78,16 @@ static void send_stale_abort(router *r, const pd_net_msg *m, const char *id) {
 
 static void on_cluster_msg(router *r, const pd_net_msg *m) {
   const Pd__Envelope *env = m->wire.env;
-  char rid[PD_NET_ROUTING_ID_MAX + 1];
-  memcpy(rid, m->routing_id, m->routing_id_len);
-  rid[m->routing_id_len] = 0;
-  rnode *n = registry_find(r, rid);
+  rnode *n = registry_find_rid(r, m->routing_id, m->routing_id_len);
+  if (n && n->has_key &&
+      (!m->has_peer_key || memcmp(m->peer_key, n->key, PD_CURVE_KEY_BYTES) != 0)) {
+    /* the node's connection, another key: never expected (the routing id is the node's
+     * secret), so dropped and reported */
+    if (pd_log_limit_ok(&r->deny_log, "refusals"))
+      pd_log(PD_LOG_WARN, "dropped a %s on node %s's connection: not sent with its key",
+             pd_wire_body_name(env->body_case), n->id);
+    return;
+  }
   if (n) {
     pd_liveness_seen(r->live, n->id, pd_liveness_now_ms(), NULL);
     n->last_seen_ms = pd_now_ms();
@@ -163,6 +169,9 @@ static void on_zmq_fd(pd_evloop *loop, int fd, unsigned events, void *ud) {
 static void tick(pd_evloop *loop, uint64_t id, void *ud) {
   (void)id;
   router *r = ud;
+  pd_curve_log_denials(r->auth, &r->deny_log);
+  pd_hs_watch_drain(r->cluster_watch, &r->deny_log);
+  pd_hs_watch_drain(r->client_watch, &r->deny_log);
   /* messages that waited while the loop was busy count as sightings before the sweep */
   drain_all(r);
   registry_sweep(r);
@@ -187,6 +196,14 @@ static void on_signal(pd_evloop *loop, int fd, unsigned events, void *ud) {
 }
 
 /* ---- flags ---- */
+
+/* What a router without node authentication (no keypair, or no allow list) lets happen. */
+static const char *unauthenticated(bool have_keys) {
+  return have_keys ? "any process that knows the router's public key can join the cluster (no "
+                     "--curve-allow-file)"
+                   : "any process that reaches the cluster port can join the cluster and read "
+                     "and change its requests (no CURVE keys)";
+}
 
 static int parse_opts(router_opts *o, int argc, char **argv) {
   memset(o, 0, sizeof *o);
@@ -219,7 +236,11 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
       {"cluster-port", PD_OPT_INT, &o->cluster_port, "N", "port nodes connect to (5600)", NULL},
       {"client-port", PD_OPT_INT, &o->client_port, "N",
        "ZeroMQ client API port (5601; -1 = off)", NULL},
-      {"api-key", PD_OPT_STR, &o->api_key, "KEY", "require Authorization: Bearer KEY", NULL},
+      {"api-key", PD_OPT_STR, &o->api_key, "KEY",
+       "require this key of clients: Authorization: Bearer KEY on HTTP, api_key in ZeroMQ "
+       "requests (visible in ps: prefer --api-key-file or PD_API_KEY)", NULL},
+      {"api-key-file", PD_OPT_STR, &o->api_key_file, "FILE",
+       "the API key from a file (its first line)", NULL},
       {"allowed-origins", PD_OPT_STR, &o->allowed_origins, "LIST",
        "CORS: origins allowed to call the HTTP API from a browser, comma-separated, or * for "
        "any (off)", NULL},
@@ -253,9 +274,14 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
       {"curve-secret-file", PD_OPT_STR, &o->curve_secret_file, "FILE",
        "the router's CURVE keypair (zcert format)", NULL},
       {"curve-secret-key", PD_OPT_STR, &o->curve_secret_key, "Z85",
-       "the router's CURVE secret key", NULL},
+       "the router's CURVE secret key (visible in ps: prefer --curve-secret-file or "
+       "PD_CURVE_SECRET_KEY)", NULL},
       {"curve-allow-file", PD_OPT_STR, &o->curve_allow_file, "FILE",
-       "admit only these public keys (one Z85 key per line)", NULL},
+       "the nodes admitted on the cluster port: their public keys, one Z85 key per line "
+       "(pdctl keys generate writes nodes.allow)", NULL},
+      {"insecure", PD_OPT_BOOL, &o->insecure, NULL,
+       "run without node authentication when no keypair or no allow list is given: any process "
+       "that reaches the cluster port can join the cluster (logs a warning)", NULL},
       {"ready-file", PD_OPT_STR, &o->ready_file, "PATH",
        "write a JSON status file once listening", NULL},
       {"verbose", PD_OPT_BOOL, &o->verbose, NULL, "debug logs", NULL},
@@ -288,16 +314,27 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
     fprintf(stderr, "pd-router: %s\n", bad);
     return 1;
   }
+  bool keys = (o->curve_secret_file && *o->curve_secret_file) ||
+              (o->curve_secret_key && *o->curve_secret_key);
+  if (!o->insecure && (!keys || !o->curve_allow_file || !*o->curve_allow_file)) {
+    fprintf(stderr, "pd-router: refusing to start: %s; give --curve-secret-file FILE and "
+            "--curve-allow-file FILE (`pdctl keys generate` writes both), or --insecure for a "
+            "cluster without authentication\n", unauthenticated(keys));
+    return 1;
+  }
   return 0;
 }
 
-static pd_status bind_sock(router *r, int port, void **sock, char *ep, size_t cap, pd_err *e) {
+/* domain: the socket's ZAP domain ("cluster": member keys only; "client": any key). */
+static pd_status bind_sock(router *r, int port, const char *domain, void **sock, char *ep,
+                           size_t cap, pd_err *e) {
   pd_net_sock_opts so;
   pd_net_sock_opts_init(&so, ZMQ_ROUTER);
   so.sndhwm = so.rcvhwm = 100000;
   if (r->have_keys) {
     so.curve_keys = &r->keys;
     so.curve_server = true;
+    so.zap_domain = r->auth ? domain : NULL;
   }
   *sock = pd_net_socket(r->zctx, &so, e);
   if (!*sock) return e->code;
@@ -335,6 +372,11 @@ int main(int argc, char **argv) {
     pd_log(PD_LOG_ERROR, "%s", e.msg);
     return 1;
   }
+  if (pd_secret_opt("api-key", r->o.api_key, r->o.api_key_file, &r->api_key_owned, &e) != PD_OK) {
+    pd_log(PD_LOG_ERROR, "%s", e.msg);
+    return 1;
+  }
+  r->o.api_key = r->api_key_owned;
   if (r->o.served_name) snprintf(r->model_name, sizeof r->model_name, "%s", r->o.served_name);
   else pd_basename(r->o.model_dir, r->model_name, sizeof r->model_name);
   r->vocab_size = cfg.vocab_size;
@@ -374,27 +416,41 @@ int main(int argc, char **argv) {
     pd_log(PD_LOG_ERROR, "%s", e.msg);
     return 1;
   }
+  if (r->o.curve_allow_file && !r->have_keys) {
+    pd_log(PD_LOG_ERROR, "--curve-allow-file needs the router's keypair (--curve-secret-file)");
+    return 1;
+  }
   if (r->o.curve_allow_file) {
-    if (!r->have_keys) {
-      pd_log(PD_LOG_ERROR, "--curve-allow-file needs the router's keypair (--curve-secret-file)");
-      return 1;
-    }
+    /* nodes: listed keys only (domain "cluster"); clients: any key (domain "client"), they
+     * show the API key instead */
     if (!(r->auth = pd_curve_auth_start(r->zctx, &e)) ||
-        pd_curve_allow_file(r->auth, r->o.curve_allow_file, &e) != PD_OK) {
+        pd_curve_allow_file(r->auth, r->o.curve_allow_file, &e) != PD_OK ||
+        pd_curve_auth_open_domain(r->auth, "client", &e) != PD_OK) {
       pd_log(PD_LOG_ERROR, "%s", e.msg);
       return 1;
     }
+  } else { /* --insecure (parse_opts refused the rest) */
+    pd_log(PD_LOG_WARN, "--insecure: %s", unauthenticated(r->have_keys));
   }
   int status = 1;
-  if (bind_sock(r, r->o.cluster_port, &r->cluster_sock, r->cluster_ep, sizeof r->cluster_ep, &e) ||
+  if (bind_sock(r, r->o.cluster_port, "cluster", &r->cluster_sock, r->cluster_ep,
+                sizeof r->cluster_ep, &e) ||
       watch(r, r->cluster_sock, &r->cluster_fd, &e)) {
     pd_log(PD_LOG_ERROR, "cluster port: %s", e.msg);
     goto out;
   }
   if (r->o.client_port >= 0 &&
-      (bind_sock(r, r->o.client_port, &r->client_sock, r->client_ep, sizeof r->client_ep, &e) ||
+      (bind_sock(r, r->o.client_port, "client", &r->client_sock, r->client_ep,
+                 sizeof r->client_ep, &e) ||
        watch(r, r->client_sock, &r->client_fd, &e))) {
     pd_log(PD_LOG_ERROR, "client port: %s", e.msg);
+    goto out;
+  }
+  if (r->have_keys &&
+      (!(r->cluster_watch = pd_hs_watch_start(r->zctx, r->cluster_sock, "cluster", &e)) ||
+       (r->client_sock &&
+        !(r->client_watch = pd_hs_watch_start(r->zctx, r->client_sock, "client", &e))))) {
+    pd_log(PD_LOG_ERROR, "%s", e.msg);
     goto out;
   }
   if (!(r->pool = pd_workpool_new(r->loop, r->o.tokenizer_threads, &e))) {
@@ -419,7 +475,12 @@ int main(int argc, char **argv) {
   }
   uint64_t tid;
   pd_evloop_timer_add(r->loop, 100, tick, r, &tid, NULL);
-  if (r->have_keys) pd_log(PD_LOG_INFO, "CURVE on: router public key %s", r->keys.public_z85);
+  if (r->have_keys)
+    pd_log(PD_LOG_INFO, "CURVE on: router public key %s; cluster port: %s", r->keys.public_z85,
+           r->auth ? "listed node keys only" : "any key (encryption only)");
+  if (r->client_sock)
+    pd_log(PD_LOG_INFO, "client port: %s", r->o.api_key ? "requests must carry the API key"
+                                                         : "open (no --api-key)");
   if (r->o.ready_file) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddNumberToObject(o, "pid", (double)getpid());
@@ -446,6 +507,8 @@ out:
   router_gc(r);
   if (r->cluster_sock) pd_evloop_del_fd(r->loop, r->cluster_fd);
   if (r->client_sock) pd_evloop_del_fd(r->loop, r->client_fd);
+  pd_hs_watch_stop(r->cluster_watch);
+  pd_hs_watch_stop(r->client_watch);
   pd_net_close(r->cluster_sock);
   pd_net_close(r->client_sock);
   pd_curve_auth_stop(r->auth);
@@ -460,5 +523,6 @@ out:
   smap_free(&r->zreqs);
   pd_metrics_free(r->m.reg);
   pd_tokenizer_free(r->tok);
+  pd_secret_free(r->api_key_owned);
   return status;
 }

@@ -8,12 +8,21 @@
  * HeartbeatAck{reregister}; a Register with a new incarnation under a known id is a restarted
  * process: the old one is treated as dead first.
  *
+ * Who a node is: its Register names its id; its connection is the routing id its DEALER chose,
+ * "<node id>#<128 random bits>" (nobody else can take that connection over: ROUTER_HANDOVER
+ * hands a routing id to whoever presents it, so it must be a secret), and, with node
+ * authentication, the CURVE key the ZAP handler admitted it with. The first key an id registers
+ * with stays bound to it for the router's lifetime: a process with another key cannot register
+ * under that id (refused, logged), whether the node is alive or not.
+ *
  * Load estimates: between heartbeats the router counts what it sent itself (blocks reserved on
  * a decode node, prompt tokens sent to a prefill node), so a burst of requests spreads over the
  * nodes instead of piling onto the one that looked emptiest at the last heartbeat. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <zmq.h>
 
 #include "pd/kvcache.h"
 #include "router.h"
@@ -25,6 +34,7 @@ void registry_init(router *r) {
   pd_err e = {0};
   r->live = pd_liveness_new(&lo, &e);
   PD_ASSERT(r->live);
+  smap_init(&r->node_keys);
 }
 
 static void node_free(rnode *n) {
@@ -33,6 +43,11 @@ static void node_free(rnode *n) {
 }
 
 void registry_free(router *r) {
+  for (size_t i = 0; i < r->node_keys.cap; i++) {
+    smap_entry *en = &r->node_keys.v[i];
+    if (en->key && en->key != (char *)1) free(en->val);
+  }
+  smap_free(&r->node_keys);
   for (int i = 0; i < r->n_nodes; i++) node_free(r->nodes[i]);
   free(r->nodes);
   r->nodes = NULL;
@@ -43,6 +58,14 @@ void registry_free(router *r) {
 rnode *registry_find(router *r, const char *id) {
   for (int i = 0; i < r->n_nodes; i++)
     if (!r->nodes[i]->dead && !strcmp(r->nodes[i]->id, id)) return r->nodes[i];
+  return NULL;
+}
+
+rnode *registry_find_rid(router *r, const uint8_t *rid, size_t len) {
+  for (int i = 0; i < r->n_nodes; i++) {
+    rnode *n = r->nodes[i];
+    if (!n->dead && n->rid_len == len && !memcmp(n->rid, rid, len)) return n;
+  }
   return NULL;
 }
 
@@ -75,7 +98,7 @@ pd_status router_send_node(router *r, rnode *n, Pd__Envelope *env) {
   pd_err e = {0};
   env->sender = "router";
   env->seq = ++r->seq;
-  pd_status st = pd_net_send(r->cluster_sock, n->id, strlen(n->id), env, NULL, 0, &e);
+  pd_status st = pd_net_send(r->cluster_sock, n->rid, n->rid_len, env, NULL, 0, &e);
   router_after_send(r);
   if (st != PD_OK)
     pd_log(PD_LOG_WARN, "send %s to %s: %s", pd_wire_body_name(env->body_case), n->id, e.msg);
@@ -122,17 +145,39 @@ static void load_update(rnode *n, const Pd__Load *l) {
   n->est_queued_tokens = (int64_t)l->queued_prompt_tokens;
 }
 
-static void on_register(router *r, const pd_net_msg *m, const Pd__Register *g) {
-  char rid[PD_NET_ROUTING_ID_MAX + 1];
-  memcpy(rid, m->routing_id, m->routing_id_len);
-  rid[m->routing_id_len] = 0;
-  char why[512];
-  if (strcmp(rid, g->node_id)) {
-    snprintf(why, sizeof why, "node_id '%s' differs from the connection's routing id",
-             g->node_id);
+/* Node authentication: the key g's connection was admitted with, bound to its id at the first
+ * registration; false (refused and logged) when the id is bound to another key. */
+static bool register_key_ok(router *r, const pd_net_msg *m, const Pd__Register *g) {
+  if (!r->auth) return true; /* --insecure */
+  char have[PD_CURVE_Z85_LEN + 1] = "none";
+  if (m->has_peer_key && !zmq_z85_encode(have, m->peer_key, PD_CURVE_KEY_BYTES))
+    snprintf(have, sizeof have, "?");
+  const uint8_t *bound = smap_get(&r->node_keys, g->node_id);
+  const char *why = NULL;
+  if (!m->has_peer_key) why = "its connection has no CURVE key";
+  else if (bound && memcmp(bound, m->peer_key, PD_CURVE_KEY_BYTES) != 0)
+    why = "the id is registered with another key";
+  if (why) {
+    if (pd_log_limit_ok(&r->deny_log, "refusals"))
+      pd_log(PD_LOG_WARN, "refused node %s (CURVE key %s): %s", g->node_id, have, why);
     register_reply(r, m, false, why);
-    return;
+    return false;
   }
+  if (!bound) {
+    uint8_t *k = malloc(PD_CURVE_KEY_BYTES);
+    if (!k || !smap_put(&r->node_keys, g->node_id, k)) {
+      free(k);
+      pd_log(PD_LOG_ERROR, "refused node %s: out of memory", g->node_id);
+      register_reply(r, m, false, "out of memory");
+      return false;
+    }
+    memcpy(k, m->peer_key, PD_CURVE_KEY_BYTES);
+  }
+  return true;
+}
+
+static void on_register(router *r, const pd_net_msg *m, const Pd__Register *g) {
+  char why[512];
   if (strcmp(g->model, r->model_name)) {
     snprintf(why, sizeof why, "this router serves model '%s', not '%s'", r->model_name,
              g->model);
@@ -153,9 +198,14 @@ static void on_register(router *r, const pd_net_msg *m, const Pd__Register *g) {
     register_reply(r, m, false, why);
     return;
   }
+  if (!register_key_ok(r, m, g)) return;
   rnode *n = registry_find(r, g->node_id);
   if (n && n->incarnation != g->incarnation) {
     node_dead(r, n, "restarted");
+    n = NULL;
+  } else if (n && (n->rid_len != m->routing_id_len ||
+                   memcmp(n->rid, m->routing_id, m->routing_id_len) != 0)) {
+    node_dead(r, n, "registered again from another connection");
     n = NULL;
   }
   bool fresh = !n;
@@ -183,6 +233,10 @@ static void on_register(router *r, const pd_net_msg *m, const Pd__Register *g) {
     n->registered_ms = pd_now_ms();
   }
   snprintf(n->id, sizeof n->id, "%s", g->node_id);
+  memcpy(n->rid, m->routing_id, m->routing_id_len);
+  n->rid_len = m->routing_id_len;
+  n->has_key = r->auth && m->has_peer_key;
+  if (n->has_key) memcpy(n->key, m->peer_key, PD_CURVE_KEY_BYTES);
   n->role = g->role;
   n->incarnation = g->incarnation;
   n->fingerprint = g->model_fingerprint;
@@ -209,20 +263,28 @@ static void on_register(router *r, const pd_net_msg *m, const Pd__Register *g) {
   pd_err e = {0};
   pd_liveness_seen(r->live, n->id, pd_liveness_now_ms(), &e);
   register_reply(r, m, true, NULL);
-  if (fresh)
-    pd_log(PD_LOG_INFO, "node %s registered: %s, %u KV blocks of %u tokens%s%s", n->id,
+  if (fresh) {
+    char key[PD_CURVE_Z85_LEN + 1] = "";
+    if (n->has_key && !zmq_z85_encode(key, n->key, PD_CURVE_KEY_BYTES)) key[0] = 0;
+    pd_log(PD_LOG_INFO, "node %s registered: %s, %u KV blocks of %u tokens%s%s%s%s", n->id,
            n->role == PD__ROLE__ROLE_DECODE ? "decode" : "prefill", n->total_blocks,
-           n->block_size, n->kv_endpoint[0] ? ", KV at " : "", n->kv_endpoint);
+           n->block_size, n->kv_endpoint[0] ? ", KV at " : "", n->kv_endpoint,
+           key[0] ? ", CURVE key " : " (not authenticated)", key);
+  }
   route_dispatch(r);
 }
 
-/* Nodes heartbeat from a socket of their own whose routing id is "<node_id>/hb" (so a long
- * forward pass on the node's main thread never silences them); the main socket is accepted too. */
+/* Nodes heartbeat from a socket of their own whose routing id is "<main routing id>/hb" (so a
+ * long forward pass on the node's main thread never silences them); the main socket is accepted
+ * too. With node authentication the heartbeat comes with the node's key as well. */
 static bool heartbeat_from(const pd_net_msg *m, const rnode *n) {
-  size_t l = strlen(n->id);
-  if (m->routing_id_len == l) return !memcmp(m->routing_id, n->id, l);
-  return m->routing_id_len == l + 3 && !memcmp(m->routing_id, n->id, l) &&
-         !memcmp(m->routing_id + l, "/hb", 3);
+  size_t l = n->rid_len;
+  bool rid_ok = m->routing_id_len == l ? !memcmp(m->routing_id, n->rid, l)
+                                       : m->routing_id_len == l + 3 &&
+                                             !memcmp(m->routing_id, n->rid, l) &&
+                                             !memcmp(m->routing_id + l, "/hb", 3);
+  return rid_ok && (!n->has_key || (m->has_peer_key &&
+                                    !memcmp(m->peer_key, n->key, PD_CURVE_KEY_BYTES)));
 }
 
 static void on_heartbeat(router *r, const pd_net_msg *m, const Pd__Heartbeat *h) {
@@ -256,8 +318,7 @@ void registry_on_message(router *r, const pd_net_msg *m) {
       break;
     case PD__ENVELOPE__BODY_DEREGISTER: {
       rnode *n = registry_find(r, env->deregister->node_id);
-      if (n && m->routing_id_len == strlen(n->id) &&
-          !memcmp(m->routing_id, n->id, m->routing_id_len)) {
+      if (n && n == registry_find_rid(r, m->routing_id, m->routing_id_len)) {
         char why[300];
         snprintf(why, sizeof why, "deregistered (%s)",
                  env->deregister->reason && *env->deregister->reason ? env->deregister->reason

@@ -4,7 +4,8 @@
  *          --FirstToken--> DECODING --TokenStream ... finish--> DONE
  *   QUEUED --Prefill(no dest)--> PREFILLING --FirstToken--> DONE        (one token to make)
  *
- * Every attempt has its own wire id "r<request>.<choice>.<attempt>", so a late message of an
+ * Every attempt has its own wire id "<request>.<choice>.<attempt>", where <request> is 128
+ * random bits in hex (nobody can guess another request's id), so a late message of an
  * abandoned attempt is recognised as stale (and answered with Abort) instead of mixing in.
  * Failures of an attempt (a node died, a reservation expired, a node reported an error) send the
  * choice back to the front of the queue with the tokens it already has: the next attempt
@@ -68,8 +69,7 @@ static void q_push(router *r, rsub *s, bool front) {
 
 static void set_wire_id(router *r, rsub *s) {
   if (s->wire_id[0]) smap_del(&r->subs_by_wire, s->wire_id);
-  snprintf(s->wire_id, sizeof s->wire_id, "r%llu.%d.%d", (unsigned long long)s->req->num,
-           s->index, s->attempt);
+  snprintf(s->wire_id, sizeof s->wire_id, "%s.%d.%d", s->req->wire, s->index, s->attempt);
   if (!smap_put(&r->subs_by_wire, s->wire_id, s)) PD_ASSERT(!"out of memory in the id map");
 }
 
@@ -125,6 +125,7 @@ static void release_attempt(router *r, rsub *s, bool abort, Pd__ErrorCode code,
   s->blocks = NULL;
   s->nb = 0;
   s->reservation_id = 0;
+  memset(s->reservation_token, 0, sizeof s->reservation_token);
   s->got_first = false;
   s->n_from_decode = 0;
   stash_clear(s);
@@ -182,6 +183,7 @@ static void retry(router *r, rsub *s, const char *why) {
 
 void route_submit(router *r, rreq *q) {
   int64_t now = pd_now_ms();
+  pd_log(PD_LOG_DEBUG, "%s: wire ids %s.<choice>.<attempt>", q->id, q->wire);
   for (int i = 0; i < q->n_subs; i++) {
     rsub *s = &q->subs[i];
     s->state = SUB_QUEUED;
@@ -241,6 +243,8 @@ static bool send_prefill(router *r, rsub *s, rnode *p, rnode *d) {
       dest.curve_public_key.len = PD_CURVE_KEY_BYTES;
     }
     dest.reservation_id = s->reservation_id;
+    dest.reservation_token.data = s->reservation_token;
+    dest.reservation_token.len = sizeof s->reservation_token;
     dest.n_block_ids = (size_t)s->nb;
     dest.block_ids = s->blocks;
     pd__kv_geometry__init(&g);
@@ -404,7 +408,7 @@ static void deliver(router *r, rsub *s, const int32_t *ids, const pd_logprobs *l
 }
 
 static bool from(const pd_net_msg *m, const rnode *n) {
-  return n && m->routing_id_len == strlen(n->id) && !memcmp(m->routing_id, n->id, m->routing_id_len);
+  return n && m->routing_id_len == n->rid_len && !memcmp(m->routing_id, n->rid, n->rid_len);
 }
 
 static void on_reserve_reply(router *r, rnode *n, const Pd__ReserveReply *rr) {
@@ -447,6 +451,7 @@ static void on_reserve_reply(router *r, rnode *n, const Pd__ReserveReply *rr) {
   memcpy(s->blocks, rr->block_ids, rr->n_block_ids * sizeof *s->blocks);
   s->nb = (int)rr->n_block_ids;
   s->reservation_id = rr->reservation_id;
+  memcpy(s->reservation_token, rr->reservation_token.data, sizeof s->reservation_token);
   rnode *pn = registry_choose_prefill(r, n, p->ids, p->n, s->req->cache_salt);
   if (!pn || !send_prefill(r, s, pn, n)) {
     /* no prefill node can take it now: give the blocks back and wait in the queue */

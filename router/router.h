@@ -43,9 +43,13 @@ typedef struct api_prep api_prep;
 /* ---- options ---- */
 
 typedef struct router_opts {
-  const char *model_dir, *served_name, *host, *bind, *api_key, *ready_file;
+  const char *model_dir, *served_name, *host, *bind, *ready_file;
+  const char *api_key;      /* the key clients must give (resolved from --api-key or
+                               --api-key-file at start); NULL: none */
+  const char *api_key_file;
   const char *curve_secret_file, *curve_secret_key, *curve_allow_file;
   const char *allowed_origins; /* CORS: NULL = off */
+  bool insecure;            /* run without node authentication */
   int port, cluster_port, client_port;
   int max_queue, max_n, default_max_tokens, max_body_mb, max_connections, max_model_len;
   int max_connections_per_ip, busy_timeout_ms, max_prompt_mb, tokenizer_threads;
@@ -59,6 +63,12 @@ typedef struct router_opts {
 
 struct rnode {
   char id[PD_WIRE_ID_MAX_BYTES + 1];
+  /* its connection: the routing id its DEALER chose (the node id and 128 random bits, so no
+   * other process can take the connection over) and its CURVE key when authenticated */
+  uint8_t rid[PD_NET_ROUTING_ID_MAX];
+  size_t rid_len;
+  uint8_t key[PD_CURVE_KEY_BYTES];
+  bool has_key;
   Pd__Role role;
   uint64_t incarnation, fingerprint;
   char kv_endpoint[256];
@@ -86,6 +96,8 @@ void registry_init(router *r);
 void registry_free(router *r);
 void registry_on_message(router *r, const pd_net_msg *m); /* Register/Heartbeat/Deregister */
 rnode *registry_find(router *r, const char *id);
+/* The live node whose connection has routing id rid (its main socket). */
+rnode *registry_find_rid(router *r, const uint8_t *rid, size_t len);
 /* Liveness sweep: nodes silent for heartbeat_timeout_ms die (their choices get an outcome). */
 void registry_sweep(router *r);
 int registry_count(router *r, Pd__Role role, bool usable_only);
@@ -131,6 +143,7 @@ struct rsub {
   char wire_id[PD_WIRE_ID_MAX_BYTES + 1];
   rnode *prefill, *decode;
   uint64_t reservation_id;
+  uint8_t reservation_token[PD_WIRE_TOKEN_BYTES];
   int32_t *blocks;
   int nb;
   /* output tokens received so far (all attempts) */
@@ -208,6 +221,7 @@ struct rreq {
   router *r;
   uint64_t num;
   char id[64];       /* response id: "cmpl-...", "chatcmpl-..." */
+  char wire[2 * PD_WIRE_TOKEN_BYTES + 1]; /* 128 random bits, hex: the base of its wire ids */
   api_kind kind;
   bool stream, include_usage, echo, skip_special, include_stop_str, continuous_usage;
   int lp_top;        /* -1: no logprobs; else alternatives per token */
@@ -322,6 +336,9 @@ void api_http_release(rreq *q);
  * output. Safe to call at a safe point only. */
 void api_cancel(router *r, rreq *q);
 rreq *api_req_new(router *r, api_kind kind);
+/* Whether given (may be NULL) is the router's API key (always true without one); constant time
+ * in the key. */
+bool api_key_ok(router *r, const char *given);
 /* Maps an ErrorCode to an HTTP status. */
 int api_http_status(Pd__ErrorCode c);
 const char *api_error_code_str(Pd__ErrorCode c);
@@ -373,9 +390,15 @@ struct router {
   pd_http_server *http;
   pd_workpool *pool; /* tokenization and chat templates (api_prep.c) */
   void *zctx;
-  pd_curve_auth *auth;
+  pd_curve_auth *auth;       /* the cluster port admits member keys only; NULL: --insecure */
   pd_curve_keypair keys;
   bool have_keys;
+  smap node_keys;            /* node id -> the key it first registered with (uint8_t[32],
+                                malloc'ed): an id stays bound to its key for the router's
+                                lifetime */
+  pd_log_limit deny_log;     /* refused handshakes and messages: at most a few lines per 10 s */
+  pd_hs_watch *cluster_watch, *client_watch; /* handshakes that failed before ZAP */
+  char *api_key_owned;       /* o.api_key's storage */
   void *cluster_sock, *client_sock;
   int cluster_fd, client_fd;
   char cluster_ep[256], client_ep[256];

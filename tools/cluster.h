@@ -7,6 +7,10 @@
  *   DIR/<name>.ready     the ready file the process writes once serving (docs/cluster.md)
  *   DIR/<name>.restart   a restart request for the supervisor (`pdctl cluster restart`)
  *   DIR/supervisor.pid   the supervisor's process id; DIR/supervisor.log its messages
+ *   DIR/keys/            mode 0700: the cluster's CURVE keypairs (pdctl keys generate's layout:
+ *                        router.key, router.pub, node-K.key, node-K.pub, nodes.allow; not with
+ *                        --secrets-dir or --insecure) and the API key (api-key, 0600); `down`
+ *                        removes them
  *   DIR/cluster.json     ports, endpoints, the supervisor, and per process its pid (with its
  *                        start time, so a recycled pid is never signalled), state, restart
  *                        count, last exit and command line; `up` writes it, then only the
@@ -72,14 +76,24 @@ typedef struct cluster {
   unsigned long long sup_start_time;
   int restart_limit;     /* exits within restart_window after which a process is given up */
   double restart_window; /* seconds */
+  /* security (no secret in here: paths and public keys) */
+  bool insecure;                 /* --insecure: no keys */
+  char keys_dir[PATH_MAX];       /* the keypairs: DIR/keys, or --secrets-dir */
+  bool keys_generated;           /* keys_dir is DIR/keys, made by `up` (removed by `down`) */
+  char router_public_key[48];    /* Z85 */
+  char api_key_file[PATH_MAX];   /* DIR/keys/api-key when the router has an API key, else "" */
 } cluster;
 
 
 /* DIR/<name><ext> into out. */
 void cl_path_of(char *out, size_t cap, const char *dir, const char *name, const char *ext);
 void cl_sleep_ms(int ms);
-/* Writes text to path atomically (temp file + rename); -1 with errno on failure. */
+/* Writes text to path atomically (temp file + rename), mode 0644; -1 with errno on failure. */
 int cl_write_file_atomic(const char *path, const char *text);
+/* The environment variables that carry secrets or security settings (PD_API_KEY,
+ * PD_CURVE_SECRET_KEY, ...): `up` takes its own from them and gives each process its settings
+ * on its command line as paths, so cl_spawn removes them from the processes' environment. */
+extern const char *const cl_secret_env[];
 /* Start time of pid in clock ticks since boot (field 22 of /proc/<pid>/stat), 0 if gone.
  * *zombie tells an exited process that nobody has reaped yet. */
 unsigned long long cl_proc_start_time(pid_t pid, bool *zombie);

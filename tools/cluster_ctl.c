@@ -89,7 +89,11 @@ int cl_cmd_status(int argc, char **argv) {
       char url[128];
       snprintf(url, sizeof url, "http://%s:%d",
                strcmp(c.host, "0.0.0.0") ? c.host : "127.0.0.1", c.http_port);
-      int ns = pdctl_http(url, "GET", "/cluster/nodes", NULL, NULL, 3000, &nodes, NULL, &e);
+      char *key = NULL; /* the router's API key guards /cluster/nodes: from the run folder */
+      if (c.api_key_file[0] && pd_secret_opt("api-key", NULL, c.api_key_file, &key, &e) != PD_OK)
+        fprintf(stderr, "pdctl: %s\n", e.msg);
+      int ns = pdctl_http(url, "GET", "/cluster/nodes", NULL, key, 3000, &nodes, NULL, &e);
+      pd_secret_free(key);
       if (ns != 200) {
         free(nodes);
         nodes = NULL;

@@ -25,20 +25,14 @@ void cl_sleep_ms(int ms) {
   }
 }
 
-/* Writes text to path atomically (temp file + rename). */
 int cl_write_file_atomic(const char *path, const char *text) {
-  char tmp[PATH_MAX + 16];
-  snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
-  FILE *f = fopen(tmp, "w");
-  if (!f) return -1;
-  bool ok = fputs(text, f) >= 0;
-  ok = (fclose(f) == 0) && ok;
-  if (!ok || rename(tmp, path) != 0) {
-    unlink(tmp);
-    return -1;
-  }
-  return 0;
+  return pdctl_write_file(path, text, 0644, NULL) == PD_OK ? 0 : -1;
 }
+
+const char *const cl_secret_env[] = {"PD_API_KEY",          "PD_API_KEY_FILE",
+                                     "PD_CURVE_SECRET_KEY", "PD_CURVE_SECRET_FILE",
+                                     "PD_CURVE_ALLOW_FILE", "PD_ROUTER_PUBLIC_KEY",
+                                     "PD_INSECURE",         NULL};
 
 /* Start time of pid in clock ticks since boot (field 22 of /proc/<pid>/stat), 0 if gone.
  * *zombie tells an exited process that nobody has reaped yet. */
@@ -172,6 +166,7 @@ int cl_spawn(const cluster *c, proc *p, bool keep_log) {
     signal(SIGINT, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
     signal(SIGPIPE, SIG_DFL);
+    for (int i = 0; cl_secret_env[i]; i++) unsetenv(cl_secret_env[i]);
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -295,6 +290,27 @@ int cl_stop_procs(cluster *c, double timeout_s, bool verbose) {
   return killed;
 }
 
+/* DIR/keys: the API key, and the keypairs `up` made (never those of --secrets-dir). */
+static void remove_keys(const cluster *c) {
+  char dir[PATH_MAX + 16], path[PATH_MAX + 64];
+  snprintf(dir, sizeof dir, "%s/keys", c->run_dir);
+  snprintf(path, sizeof path, "%s/api-key", dir);
+  unlink(path);
+  if (c->keys_generated) {
+    static const char *const fixed[] = {"router.key", "router.pub", "nodes.allow"};
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) {
+      snprintf(path, sizeof path, "%s/%s", dir, fixed[i]);
+      unlink(path);
+    }
+    for (int k = 0; k < c->n_prefill + c->n_decode; k++)
+      for (int pub = 0; pub < 2; pub++) {
+        snprintf(path, sizeof path, "%s/node-%d.%s", dir, k, pub ? "pub" : "key");
+        unlink(path);
+      }
+  }
+  rmdir(dir); /* only when empty: a file of the user's stays */
+}
+
 void cl_remove_run_files(const cluster *c, bool also_json) {
   char path[PATH_MAX + 64];
   for (int i = 0; i < c->n; i++) {
@@ -310,6 +326,7 @@ void cl_remove_run_files(const cluster *c, bool also_json) {
   if (also_json) {
     cl_path_of(path, sizeof path, c->run_dir, "cluster", ".json");
     unlink(path);
+    remove_keys(c);
   }
 }
 
@@ -366,6 +383,15 @@ int cl_save_json(const cluster *c) {
   cJSON_AddStringToObject(sup, "log", path);
   cJSON_AddNumberToObject(sup, "restart_limit", c->restart_limit);
   cJSON_AddNumberToObject(sup, "restart_window", c->restart_window);
+  /* paths and public keys only: nothing here is a secret */
+  cJSON *sec = cJSON_AddObjectToObject(o, "security");
+  cJSON_AddBoolToObject(sec, "insecure", c->insecure);
+  if (!c->insecure) {
+    cJSON_AddStringToObject(sec, "keys_dir", c->keys_dir);
+    cJSON_AddBoolToObject(sec, "keys_generated", c->keys_generated);
+    cJSON_AddStringToObject(sec, "router_public_key", c->router_public_key);
+  }
+  if (c->api_key_file[0]) cJSON_AddStringToObject(sec, "api_key_file", c->api_key_file);
   cJSON *arr = cJSON_AddArrayToObject(o, "processes");
   for (int i = 0; i < c->n; i++) {
     const proc *p = &c->procs[i];
@@ -463,6 +489,12 @@ int cl_load_cluster(const char *run_dir, cluster *c, bool quiet) {
     c->sup_start_time = (unsigned long long)json_num(sup, "start_time", 0);
     c->restart_limit = (int)json_num(sup, "restart_limit", 0);
     c->restart_window = json_num(sup, "restart_window", 0);
+    const cJSON *sec = cJSON_GetObjectItemCaseSensitive(o, "security");
+    c->insecure = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(sec, "insecure"));
+    c->keys_generated = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(sec, "keys_generated"));
+    json_str(sec, "keys_dir", c->keys_dir, sizeof c->keys_dir);
+    json_str(sec, "router_public_key", c->router_public_key, sizeof c->router_public_key);
+    json_str(sec, "api_key_file", c->api_key_file, sizeof c->api_key_file);
     const cJSON *j;
     cJSON_ArrayForEach(j, cJSON_GetObjectItemCaseSensitive(o, "processes")) {
       if (c->n >= MAX_PROCS) break;

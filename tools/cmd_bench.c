@@ -708,7 +708,7 @@ static char *served_model(const char *url, const char *api_key, int timeout_ms, 
 
 int cmd_bench(int argc, char **argv) {
   const char *url = NULL, *prompts_file = NULL, *svg = NULL, *endpoint = "completions",
-             *model = NULL, *tok_dir = NULL, *api_key = NULL;
+             *model = NULL, *tok_dir = NULL, *api_key_arg = NULL, *api_key_file = NULL;
   int num = 64, in_len = 128, out_len = 64, conc = 0, vocab = 1000;
   double rate = INFINITY, temperature = 0.0, timeout_s = 600;
   unsigned long long seed = 0;
@@ -736,7 +736,9 @@ int cmd_bench(int argc, char **argv) {
        "model folder: random ids avoid its special tokens; chat prompts are decoded ids", NULL},
       {"vocab-size", PD_OPT_INT, &vocab, "V",
        "without --tokenizer: random ids from [10, V) (default 1000)", NULL},
-      {"api-key", PD_OPT_STR, &api_key, "KEY", "Authorization: Bearer KEY", NULL},
+      {"api-key", PD_OPT_STR, &api_key_arg, "KEY",
+       "Authorization: Bearer KEY (visible in ps: prefer --api-key-file or PD_API_KEY)", NULL},
+      {"api-key-file", PD_OPT_STR, &api_key_file, "FILE", "the API key from a file", NULL},
       {"timeout", PD_OPT_DOUBLE, &timeout_s, "S", "per-request timeout (default 600)", NULL},
       {"no-warmup", PD_OPT_BOOL, &no_warmup, NULL, "skip the single test request first", NULL},
       {"json", PD_OPT_BOOL, &json, NULL, "print the results as JSON", NULL},
@@ -770,6 +772,9 @@ int cmd_bench(int argc, char **argv) {
   if (conc_seen && conc < 1) return pdctl_fail("--concurrency must be at least 1");
   if (!tok_dir && vocab <= 10) return pdctl_fail("--vocab-size must be above 10");
   if (!(timeout_s > 0)) return pdctl_fail("--timeout must be positive");
+  char *api_key = NULL;
+  if (pd_secret_opt("api-key", api_key_arg, api_key_file, &api_key, &e) != PD_OK)
+    return pdctl_fail("%s", e.msg);
   b.api_key = api_key;
   b.temperature = temperature;
   b.endpoint = endpoint;
@@ -786,6 +791,7 @@ int cmd_bench(int argc, char **argv) {
   if (!b.prompts || !b.res) {
     free(b.prompts);
     free(b.res);
+    pd_secret_free(api_key);
     return pdctl_fail("out of memory");
   }
   char *model_owned = NULL;
@@ -1064,5 +1070,6 @@ out:
   free(allowed);
   free(model_owned);
   pd_tokenizer_free(tok);
+  pd_secret_free(api_key);
   return rc;
 }

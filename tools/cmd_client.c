@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "pd/client.h"
 #include "pdctl.h"
@@ -83,23 +82,10 @@ static bool on_chunk(const Pd__GenerateChunk *c, void *ud) {
   return !g_interrupted && !s->oom;
 }
 
-/* A CURVE key given as Z85 text, or as a certificate file (pd_curve_keypair_load). */
-static pd_status load_key(const char *arg, bool secret, pd_curve_keypair *kp, pd_err *e) {
-  struct stat st;
-  memset(kp, 0, sizeof *kp);
-  if (stat(arg, &st) == 0) {
-    pd_status s = pd_curve_keypair_load(arg, kp, e);
-    if (s == PD_OK && secret && !kp->secret_z85[0])
-      return pd_err_set(e, PD_EINVAL, "%s holds no secret key", arg);
-    return s;
-  }
-  if (secret) return pd_curve_keypair_from_secret(arg, kp, e);
-  return pd_curve_key_parse(arg, NULL, kp->public_z85, e);
-}
-
 int cmd_client(int argc, char **argv) {
   const char *endpoint = NULL, *prompt = NULL, *chat = NULL, *system_msg = NULL, *ids_s = NULL,
-             *model = NULL, *stop = NULL, *server_key = NULL, *client_key = NULL;
+             *model = NULL, *stop = NULL, *server_key = NULL, *client_key = NULL,
+             *api_key = NULL, *api_key_file = NULL;
   int max_tokens = 128, top_k = 0, n = 1, connect_ms = 5000, timeout_ms = 120000;
   double temperature = 1.0, top_p = 1.0, min_p = 0.0;
   unsigned long long seed = 0;
@@ -129,6 +115,9 @@ int cmd_client(int argc, char **argv) {
        "router client-port CURVE public key (Z85 or certificate file): encrypt", NULL},
       {"client-key", PD_OPT_STR, &client_key, "KEY|FILE",
        "own CURVE secret key (Z85 or certificate file); default: a random one", NULL},
+      {"api-key", PD_OPT_STR, &api_key, "KEY",
+       "the router's API key (visible in ps: prefer --api-key-file or PD_API_KEY)", NULL},
+      {"api-key-file", PD_OPT_STR, &api_key_file, "FILE", "the API key from a file", NULL},
       {"connect-timeout", PD_OPT_INT, &connect_ms, "MS", "connection timeout (default 5000)",
        NULL},
       {"timeout", PD_OPT_INT, &timeout_ms, "MS",
@@ -153,17 +142,18 @@ int cmd_client(int argc, char **argv) {
   if (client_key && !server_key) return pdctl_fail("--client-key needs --server-key");
 
   pd_curve_keypair skey, ckey;
+  memset(&ckey, 0, sizeof ckey);
   pd_client_opts co;
   pd_client_opts_init(&co);
   co.connect_timeout_ms = connect_ms;
   co.idle_timeout_ms = timeout_ms;
   co.name = "pdctl";
   if (server_key) {
-    if (load_key(server_key, false, &skey, &e) != PD_OK)
+    if (pd_curve_key_arg(server_key, false, &skey, &e) != PD_OK)
       return pdctl_fail("--server-key: %s", e.msg);
     co.server_public_key = skey.public_z85;
     if (client_key) {
-      if (load_key(client_key, true, &ckey, &e) != PD_OK)
+      if (pd_curve_key_arg(client_key, true, &ckey, &e) != PD_OK)
         return pdctl_fail("--client-key: %s", e.msg);
       co.client_keys = &ckey;
     }
@@ -230,10 +220,18 @@ int cmd_client(int argc, char **argv) {
     free(ids);
     return pdctl_fail("out of memory");
   }
-  pd_client *c = pd_client_connect(endpoint, &co, &e);
   int rc = 0;
   pd_client_result res;
   memset(&res, 0, sizeof res);
+  pd_client *c = NULL;
+  char *key = NULL; /* the API key, from --api-key, PD_API_KEY or --api-key-file */
+  if (pd_secret_opt("api-key", api_key, api_key_file, &key, &e) != PD_OK) {
+    rc = pdctl_fail("%s", e.msg);
+    goto done;
+  }
+  co.api_key = key;
+  c = pd_client_connect(endpoint, &co, &e);
+  pd_secret_free(key); /* the client keeps its own copy */
   if (!c) {
     rc = pdctl_fail("%s", e.msg);
     goto done;

@@ -8,7 +8,14 @@
  * started and exits 1. Once the cluster is healthy, the router's recorded argv is pinned to the
  * ports it bound (a restarted router is found by the nodes again), and the process that
  * started the processes stays behind as their supervisor (cluster_supervise.c). `status`,
- * `restart` and `down` are in cluster_ctl.c. */
+ * `restart` and `down` are in cluster_ctl.c.
+ *
+ * Security (docs/cluster.md, "Security"): unless --insecure, every process proves it belongs
+ * to the cluster. `up` writes CURVE keypairs into DIR/keys (mode 0700; or takes those of
+ * --secrets-dir): the router admits only the nodes' keys on its cluster port, decode nodes
+ * only the nodes' keys on their KV ports. Secrets reach the processes as files, never on a
+ * command line: --curve-secret-file DIR/keys/<name>.key, --api-key-file DIR/keys/api-key
+ * (0600); cluster.json holds paths and public keys only. */
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -26,6 +33,7 @@
 #include <unistd.h>
 
 #include "cluster.h"
+#include "pd/net.h"
 #include "pdctl.h"
 
 static void self_dir(char *out, size_t cap) {
@@ -206,6 +214,7 @@ static int become_supervisor(cluster *c, int status_fd) {
   close(nullfd);
   close(logfd);
   fcntl(status_fd, F_SETFD, 0); /* kept across exec (the processes it starts close it) */
+  for (int i = 0; cl_secret_env[i]; i++) unsetenv(cl_secret_env[i]); /* `up` took them */
   signal(SIGINT, SIG_DFL);
   signal(SIGTERM, SIG_DFL);
   char self[PATH_MAX], fd[16];
@@ -260,6 +269,93 @@ static bool binary_accepts(const char *bin, const char *flag) {
   return found;
 }
 
+/* The cluster's secrets (module comment): the keypairs (new ones in DIR/keys, or those of
+ * secrets_dir; none with insecure) and the API key in DIR/keys/api-key, recorded in c. 0, or
+ * 1 after a message (nothing needs undoing: a new `up` writes them again). */
+static int setup_security(cluster *c, const char *secrets_dir, bool insecure, const char *api_key,
+                          const char *api_key_file, bool quiet) {
+  char keys[PATH_MAX - 16];
+  if ((size_t)snprintf(keys, sizeof keys, "%s/keys", c->run_dir) >= sizeof keys)
+    return pdctl_fail("--run-dir %s: path too long", c->run_dir);
+  pd_err e = {0};
+  char *key = NULL;
+  if (pd_secret_opt("api-key", api_key, api_key_file, &key, &e) != PD_OK)
+    return pdctl_fail("%s", e.msg);
+  c->insecure = insecure;
+  if (insecure) {
+    if (!quiet)
+      fprintf(stderr, "pdctl: warning: --insecure: no keys: any process that reaches the "
+                      "cluster's ports can join it, read its requests or send KV pages\n");
+  } else if (secrets_dir) {
+    if (!realpath(secrets_dir, c->keys_dir)) {
+      pd_secret_free(key);
+      return pdctl_fail("--secrets-dir %s: %s", secrets_dir, strerror(errno));
+    }
+  } else {
+    snprintf(c->keys_dir, sizeof c->keys_dir, "%s", keys);
+    c->keys_generated = true;
+    if (pdctl_keys_write(keys, c->n_prefill + c->n_decode, &e) != PD_OK) {
+      pd_secret_free(key);
+      return pdctl_fail("the cluster's keys: %s", e.msg);
+    }
+  }
+  if (!insecure) { /* every file a process will be given, and the router's public key */
+    char path[PATH_MAX + 64], what[64];
+    pd_curve_keypair kp;
+    int n = c->n_prefill + c->n_decode;
+    for (int k = -3; k < n; k++) {
+      if (k >= 0) snprintf(what, sizeof what, "node-%d.key", k);
+      snprintf(path, sizeof path, "%s/%s", c->keys_dir,
+               k == -3 ? "router.key" : k == -2 ? "router.pub" : k == -1 ? "nodes.allow" : what);
+      if (access(path, R_OK) != 0) {
+        pd_secret_free(key);
+        return pdctl_fail("%s: %s (`pdctl keys generate --out DIR --nodes %d` writes what a "
+                          "cluster of %d nodes needs)", path, strerror(errno), n, n);
+      }
+      if (k == -2) {
+        if (pd_curve_key_arg(path, false, &kp, &e) != PD_OK) {
+          pd_secret_free(key);
+          return pdctl_fail("%s", e.msg);
+        }
+        snprintf(c->router_public_key, sizeof c->router_public_key, "%s", kp.public_z85);
+      }
+    }
+  }
+  if (key) {
+    snprintf(c->api_key_file, sizeof c->api_key_file, "%s/api-key", keys);
+    char *text = malloc(strlen(key) + 2);
+    pd_status st = !text ? pd_err_set(&e, PD_ENOMEM, "out of memory")
+                   : mkdir(keys, 0700) != 0 && errno != EEXIST
+                       ? pd_err_set(&e, PD_EIO, "%s: %s", keys, strerror(errno))
+                       : PD_OK;
+    if (!st) {
+      sprintf(text, "%s\n", key);
+      st = pdctl_write_file(c->api_key_file, text, 0600, &e);
+    }
+    pd_secret_free(text);
+    pd_secret_free(key);
+    if (st) return pdctl_fail("the API key: %s", e.msg);
+  }
+  return 0;
+}
+
+/* p's flags for the cluster's security: the router's (node < 0) or those of node `node` (its
+ * number among all nodes, prefill nodes first). Paths only: no secret is ever on a command
+ * line. */
+static void security_args(const cluster *c, proc *p, int node) {
+  if (c->insecure) {
+    cl_proc_arg(p, "--insecure");
+  } else if (node < 0) {
+    cl_proc_argf(p, "--curve-secret-file=%s/router.key", c->keys_dir);
+    cl_proc_argf(p, "--curve-allow-file=%s/nodes.allow", c->keys_dir);
+  } else {
+    cl_proc_argf(p, "--curve-secret-file=%s/node-%d.key", c->keys_dir, node);
+    cl_proc_argf(p, "--router-public-key=%s/router.pub", c->keys_dir);
+    if (node >= c->n_prefill) cl_proc_argf(p, "--curve-allow-file=%s/nodes.allow", c->keys_dir);
+  }
+  if (node < 0 && c->api_key_file[0]) cl_proc_argf(p, "--api-key-file=%s", c->api_key_file);
+}
+
 /* Entry k (round robin) of a comma-separated device list ("cuda:0,cuda:1") into out. */
 static void device_pick(const char *list, int k, char *out, size_t cap) {
   int n = 1;
@@ -311,11 +407,11 @@ static int cluster_up(int argc, char **argv) {
   const char *model = NULL, *draft = NULL, *run_dir = NULL, *bin_dir = NULL, *host = "127.0.0.1",
              *router_args = NULL, *prefill_args = NULL, *decode_args = NULL, *api_key = NULL,
              *name = NULL, *device = NULL, *prefill_device = NULL, *decode_device = NULL,
-             *kv_dtype = NULL;
+             *kv_dtype = NULL, *api_key_file = NULL, *secrets_dir = NULL;
   int n_prefill = 1, n_decode = 1, port = 8000, restart_limit = 5;
   double gpu_util = 0, restart_window = 60;
   double timeout_s = 180;
-  bool help = false, keep = false, quiet = false;
+  bool help = false, keep = false, quiet = false, insecure = false;
   pd_opt opts[] = {
       {"model", PD_OPT_STR, &model, "DIR", "model folder (every process)", NULL},
       {"draft-model", PD_OPT_STR, &draft, "DIR",
@@ -327,7 +423,17 @@ static int cluster_up(int argc, char **argv) {
       {"host", PD_OPT_STR, &host, "HOST", "router HTTP bind address (default 127.0.0.1)", NULL},
       {"run-dir", PD_OPT_STR, &run_dir, "DIR", "pid, log and ready files, cluster.json", NULL},
       {"served-model-name", PD_OPT_STR, &name, "NAME", "model name for clients", NULL},
-      {"api-key", PD_OPT_STR, &api_key, "KEY", "router: require this bearer key on /v1", NULL},
+      {"api-key", PD_OPT_STR, &api_key, "KEY",
+       "the router requires this key of clients, HTTP and ZeroMQ (visible in ps: prefer "
+       "--api-key-file or PD_API_KEY); the router reads it from DIR/keys/api-key", NULL},
+      {"api-key-file", PD_OPT_STR, &api_key_file, "FILE", "the API key from a file", NULL},
+      {"secrets-dir", PD_OPT_STR, &secrets_dir, "DIR",
+       "the cluster's keypairs from `pdctl keys generate --out DIR --nodes N` (N >= prefill + "
+       "decode; node K gets node-K.key, prefill nodes first) instead of new ones in "
+       "RUN-DIR/keys", NULL},
+      {"insecure", PD_OPT_BOOL, &insecure, NULL,
+       "no authentication: any process that reaches the cluster's ports can join it or send "
+       "KV pages (every process logs a warning)", NULL},
       {"router-args", PD_OPT_STR, &router_args, "\"FLAGS\"", "extra router flags", NULL},
       {"prefill-args", PD_OPT_STR, &prefill_args, "\"FLAGS\"", "extra prefill-node flags",
        NULL},
@@ -390,6 +496,7 @@ static int cluster_up(int argc, char **argv) {
     return pdctl_fail("--model %s: not a folder", model);
   if (draft && (stat(draft, &sb) != 0 || !S_ISDIR(sb.st_mode)))
     return pdctl_fail("--draft-model %s: not a folder", draft);
+  if (insecure && secrets_dir) return pdctl_fail("--insecure and --secrets-dir exclude each other");
   if (mkdir(run_dir, 0755) != 0 && errno != EEXIST)
     return pdctl_fail("--run-dir %s: %s", run_dir, strerror(errno));
 
@@ -446,6 +553,7 @@ static int cluster_up(int argc, char **argv) {
   if (draft && !binary_accepts(decode_bin, "--draft-model"))
     return pdctl_fail("%s does not take --draft-model (no speculative decoding in this build)",
                       decode_bin);
+  if (setup_security(&c, secrets_dir, insecure, api_key, api_key_file, quiet) != 0) return 1;
 
   /* the router: free cluster and client ports, reported in its ready file */
   proc *r = &c.procs[c.n++];
@@ -466,10 +574,7 @@ static int cluster_up(int argc, char **argv) {
   cl_proc_arg(r, "0");
   cl_proc_arg(r, "--client-port");
   cl_proc_arg(r, "0");
-  if (api_key) {
-    cl_proc_arg(r, "--api-key");
-    cl_proc_arg(r, api_key);
-  }
+  security_args(&c, r, -1);
   cl_proc_arg(r, "--ready-file");
   cl_proc_argf(r, "%s/router.ready", c.run_dir);
   if (router_args) add_split_args(r, router_args);
@@ -576,6 +681,7 @@ static int cluster_up(int argc, char **argv) {
     }
     cl_proc_arg(p, "--ready-file");
     cl_proc_argf(p, "%s/%s.ready", c.run_dir, p->name);
+    security_args(&c, p, k);
     cl_proc_arg(p, "--device");
     cl_proc_arg(p, dev);
     if (gpu && gpu_util > 0) cl_proc_argf(p, "--gpu-memory-utilization=%g", gpu_util);

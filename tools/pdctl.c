@@ -95,6 +95,7 @@ static void usage(void) {
         "  cluster      start, inspect and stop a local cluster (router + prefill + decode)\n"
         "  client       send a request to a router's ZeroMQ client API, print the answer\n"
         "  bench        serving benchmark against a running router (TTFT, TPOT, ITL)\n"
+        "  keys         write the CURVE keypairs of a cluster (keys generate)\n"
         "  make-model   write a model folder with published shapes and random weights\n"
         "  devices      the CPU kernel family and the CUDA devices this build can use\n\n"
         "Run 'pdctl <command> --help' for the options of a command.\n",
@@ -117,8 +118,10 @@ int main(int argc, char **argv) {
   if (!strcmp(cmd, "cluster")) return cmd_cluster(argc, argv);
   if (!strcmp(cmd, "client")) return cmd_client(argc, argv);
   if (!strcmp(cmd, "bench")) return cmd_bench(argc, argv);
+  if (!strcmp(cmd, "keys")) return cmd_keys(argc, argv);
 #else
-  if (!strcmp(cmd, "cluster") || !strcmp(cmd, "client") || !strcmp(cmd, "bench"))
+  if (!strcmp(cmd, "cluster") || !strcmp(cmd, "client") || !strcmp(cmd, "bench") ||
+      !strcmp(cmd, "keys"))
     return pdctl_fail("'%s' needs the network layer: rebuild with libzmq and protobuf-c "
                       "(-DPD_NET=ON)", cmd);
 #endif

@@ -4,6 +4,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "pd/engine.h"
 #include "pd/model.h"
@@ -20,6 +21,13 @@ int cmd_devices(int argc, char **argv);    /* cmd_devices.c: CPU kernels, CUDA d
 int cmd_cluster(int argc, char **argv); /* cmd_cluster.c: up, status, down */
 int cmd_client(int argc, char **argv);  /* cmd_client.c: the ZeroMQ client API */
 int cmd_bench(int argc, char **argv);   /* cmd_bench.c: serving benchmark over HTTP */
+int cmd_keys(int argc, char **argv);    /* cmd_keys.c: keys generate */
+/* The CURVE keypairs of a cluster into dir (created 0700): router.key/.pub, node-K.key/.pub for
+ * K < n_nodes, nodes.allow (cmd_keys.c). */
+pd_status pdctl_keys_write(const char *dir, int n_nodes, pd_err *e);
+/* Writes text to path through a temporary file and a rename, the file mode exactly mode (0600
+ * for secrets); errno is kept on failure (cmd_keys.c). */
+pd_status pdctl_write_file(const char *path, const char *text, mode_t mode, pd_err *e);
 
 /* One blocking HTTP exchange with url's server (http_client.c, on libcurl): method path [body
  * as JSON]. Returns the status code and the body (malloc'ed, NUL-terminated, at most 8 MiB kept)

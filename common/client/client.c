@@ -9,6 +9,8 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "pd/opts.h"
+
 /* A request sent on this client whose choices have not all finished: what pd_client_close
  * cancels. */
 typedef struct active_req {
@@ -22,6 +24,7 @@ struct pd_client {
   char name[64];
   pd_curve_keypair keys;
   char server_key[PD_CURVE_Z85_LEN + 1];
+  char *api_key;     /* a copy of opts.api_key (NULL: none) */
   pd_wire_limits lim;
   pd_net_msg msg;
   uint64_t seq;      /* Envelope.seq of the next message */
@@ -155,6 +158,11 @@ pd_client *pd_client_connect(const char *endpoint, const pd_client_opts *o, pd_e
   c->opts.name = c->name;
   c->opts.client_keys = NULL; /* copied below; the caller's struct need not outlive us */
   c->opts.server_public_key = NULL;
+  c->opts.api_key = NULL;
+  if (o && o->api_key && *o->api_key && !(c->api_key = strdup(o->api_key))) {
+    pd_err_set(e, PD_ENOMEM, "out of memory");
+    goto fail;
+  }
   pd_wire_limits_init(&c->lim);
   pd_net_msg_init(&c->msg);
   c->nonce = (uint32_t)getpid() * 2654435761u ^ (uint32_t)(now_s() * 1e6);
@@ -219,6 +227,7 @@ void pd_client_close(pd_client *c) {
   pd_net_ctx_free(c->ctx);
   free(c->active);
   memset(&c->keys, 0, sizeof c->keys);
+  pd_secret_free(c->api_key);
   free(c);
 }
 
@@ -239,7 +248,8 @@ pd_status pd_client_send(pd_client *c, Pd__GenerateRequest *req,
                          char id[PD_WIRE_ID_MAX_BYTES + 1], pd_err *e) {
   if (!c || !req) return pd_err_set(e, PD_EINVAL, "pd_client_send: no client or request");
   char gen[PD_WIRE_ID_MAX_BYTES + 1];
-  char *saved = req->request_id;
+  char *saved = req->request_id, *saved_key = req->api_key;
+  if (c->api_key && (!req->api_key || !req->api_key[0])) req->api_key = c->api_key;
   if (!req->request_id || !req->request_id[0]) {
     snprintf(gen, sizeof gen, "pdc-%08x-%llu", c->nonce, (unsigned long long)++c->next_id);
     req->request_id = gen;
@@ -277,6 +287,7 @@ pd_status pd_client_send(pd_client *c, Pd__GenerateRequest *req,
     if (id) snprintf(id, PD_WIRE_ID_MAX_BYTES + 1, "%s", req->request_id);
   }
   req->request_id = saved;
+  req->api_key = saved_key;
   return st;
 }
 
@@ -467,6 +478,7 @@ const char *pd_client_error_code_str(Pd__ErrorCode c) {
     case PD__ERROR_CODE__ERROR_CODE_PROTOCOL: return "protocol";
     case PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED: return "unsupported";
     case PD__ERROR_CODE__ERROR_CODE_INTERNAL: return "internal";
+    case PD__ERROR_CODE__ERROR_CODE_UNAUTHORIZED: return "unauthorized";
     default: return "unknown";
   }
 }

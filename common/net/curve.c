@@ -186,6 +186,25 @@ pd_status pd_curve_keypair_from_env(const char *name, bool secret, pd_curve_keyp
   return st;
 }
 
+pd_status pd_curve_key_arg(const char *arg, bool secret, pd_curve_keypair *kp, pd_err *e) {
+  memset(kp, 0, sizeof *kp);
+  if (!arg || !*arg) return pd_err_set(e, PD_EINVAL, "CURVE key: empty");
+  struct stat sb;
+  if (stat(arg, &sb) == 0) {
+    pd_curve_keypair k;
+    pd_status st = pd_curve_keypair_load(arg, &k, e);
+    if (st) return st;
+    if (secret && !k.secret_z85[0])
+      return pd_err_set(e, PD_EFORMAT, "CURVE key file %s holds no secret key", arg);
+    if (!secret) memset(k.secret_z85, 0, sizeof k.secret_z85);
+    *kp = k;
+    memset(&k, 0, sizeof k);
+    return PD_OK;
+  }
+  if (secret) return pd_curve_keypair_from_secret(arg, kp, e);
+  return pd_curve_key_parse(arg, NULL, kp->public_z85, e);
+}
+
 /* ---- socket roles ---- */
 
 pd_status pd_curve_server_setup(void *sock, const pd_curve_keypair *server, pd_err *e) {
@@ -231,28 +250,67 @@ pd_status pd_curve_client_setup(void *sock, const pd_curve_keypair *client,
 
 /* ---- ZAP handler ---- */
 
+#define MAX_OPEN_DOMAINS 8
+#define DENIAL_RING 64
+
 struct pd_curve_auth {
   void *rep; /* REP bound to ZAP_ENDPOINT, used by the thread only once started */
   pthread_t thread;
   atomic_bool stop;
   atomic_uint_fast64_t denied;
-  pthread_mutex_t mu; /* guards keys */
+  pthread_mutex_t mu; /* guards keys, open, the denial ring */
   uint8_t (*keys)[PD_CURVE_KEY_BYTES];
   size_t n_keys, cap_keys;
+  char open[MAX_OPEN_DOMAINS][32];
+  int n_open;
+  pd_curve_denial ring[DENIAL_RING]; /* the latest refusals, oldest at ring_head */
+  int ring_head, ring_n;
+  uint64_t ring_dropped;
 };
 
 static bool key_allowed(pd_curve_auth *a, const uint8_t *key) {
   bool ok = false;
-  pthread_mutex_lock(&a->mu);
   for (size_t i = 0; i < a->n_keys && !ok; i++)
     ok = memcmp(a->keys[i], key, PD_CURVE_KEY_BYTES) == 0;
-  pthread_mutex_unlock(&a->mu);
   return ok;
 }
 
-/* One ZAP exchange (RFC 27): request frames version, request_id, domain, address, routing id,
- * mechanism, credentials...; reply version, request_id, status code, status text, user id,
- * metadata. Every request gets a reply (REP's state machine requires it). */
+static bool domain_open(pd_curve_auth *a, zmq_msg_t *d) {
+  size_t n = zmq_msg_size(d);
+  for (int i = 0; i < a->n_open; i++)
+    if (strlen(a->open[i]) == n && memcmp(a->open[i], zmq_msg_data(d), n) == 0) return true;
+  return false;
+}
+
+/* A frame's bytes as printable text (others become '?'). */
+static void frame_text(zmq_msg_t *f, char *out, size_t cap) {
+  size_t n = zmq_msg_size(f), k = 0;
+  const unsigned char *p = zmq_msg_data(f);
+  for (; k < n && k + 1 < cap; k++) out[k] = p[k] >= 0x20 && p[k] < 0x7f ? (char)p[k] : '?';
+  out[k] = 0;
+}
+
+/* Records a refusal (with a->mu held). */
+static void note_denial(pd_curve_auth *a, zmq_msg_t *f, int n, const char *key_z85,
+                        const char *reason) {
+  atomic_fetch_add(&a->denied, 1);
+  if (a->ring_n == DENIAL_RING) { /* the oldest goes */
+    a->ring_head = (a->ring_head + 1) % DENIAL_RING;
+    a->ring_n--;
+    a->ring_dropped++;
+  }
+  pd_curve_denial *d = &a->ring[(a->ring_head + a->ring_n++) % DENIAL_RING];
+  memset(d, 0, sizeof *d);
+  if (n > 2) frame_text(&f[2], d->domain, sizeof d->domain);
+  if (n > 3) frame_text(&f[3], d->address, sizeof d->address);
+  snprintf(d->key_z85, sizeof d->key_z85, "%s", key_z85);
+  d->reason = reason;
+}
+
+/* One ZAP exchange (RFC 27): request frames version, request_id, domain, address, routing id
+ * (the server's own), mechanism, credentials...; reply version, request_id, status code, status
+ * text, user id (the client's key in Z85), metadata. Every request gets a reply (REP's state
+ * machine requires it). */
 static void zap_serve_one(pd_curve_auth *a) {
   enum { MAXF = 8 };
   zmq_msg_t f[MAXF];
@@ -274,14 +332,23 @@ static void zap_serve_one(pd_curve_auth *a) {
     zmq_msg_close(&part);
     if (!more) break;
   }
-  bool ok = false;
-  if (n >= 7 && zmq_msg_size(&f[0]) == 3 && memcmp(zmq_msg_data(&f[0]), "1.0", 3) == 0 &&
-      zmq_msg_size(&f[5]) == 5 && memcmp(zmq_msg_data(&f[5]), "CURVE", 5) == 0 &&
-      zmq_msg_size(&f[6]) == PD_CURVE_KEY_BYTES)
-    ok = key_allowed(a, zmq_msg_data(&f[6]));
-  if (!ok) atomic_fetch_add(&a->denied, 1);
-  const char *code = ok ? "200" : "400";
-  const char *text = ok ? "OK" : "client key not allowed";
+  bool curve = n >= 7 && zmq_msg_size(&f[5]) == 5 && memcmp(zmq_msg_data(&f[5]), "CURVE", 5) == 0 &&
+               zmq_msg_size(&f[6]) == PD_CURVE_KEY_BYTES;
+  char user[PD_CURVE_Z85_LEN + 1] = "";
+  if (curve && !zmq_z85_encode(user, zmq_msg_data(&f[6]), PD_CURVE_KEY_BYTES)) user[0] = 0;
+  const char *why = NULL;
+  pthread_mutex_lock(&a->mu);
+  if (n < 7 || zmq_msg_size(&f[0]) != 3 || memcmp(zmq_msg_data(&f[0]), "1.0", 3) != 0)
+    why = "malformed ZAP request";
+  else if (!curve)
+    why = "not a CURVE handshake";
+  else if (!domain_open(a, &f[2]) && !key_allowed(a, zmq_msg_data(&f[6])))
+    why = "key not allowed";
+  if (why) note_denial(a, f, n, user, why);
+  pthread_mutex_unlock(&a->mu);
+  const char *code = why ? "400" : "200";
+  const char *text = why ? why : "OK";
+  if (why) user[0] = 0;
   zmq_send(a->rep, "1.0", 3, ZMQ_SNDMORE);
   if (n >= 2)
     zmq_send(a->rep, zmq_msg_data(&f[1]), zmq_msg_size(&f[1]), ZMQ_SNDMORE);
@@ -289,8 +356,8 @@ static void zap_serve_one(pd_curve_auth *a) {
     zmq_send(a->rep, "", 0, ZMQ_SNDMORE);
   zmq_send(a->rep, code, 3, ZMQ_SNDMORE);
   zmq_send(a->rep, text, strlen(text), ZMQ_SNDMORE);
-  zmq_send(a->rep, "", 0, ZMQ_SNDMORE); /* user id */
-  zmq_send(a->rep, "", 0, 0);           /* metadata */
+  zmq_send(a->rep, user, strlen(user), ZMQ_SNDMORE); /* User-Id of the connection */
+  zmq_send(a->rep, "", 0, 0);                        /* metadata */
   for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
 }
 
@@ -363,7 +430,37 @@ pd_status pd_curve_auth_allow(pd_curve_auth *a, const char *client_public_z85, p
   return PD_OK;
 }
 
+pd_status pd_curve_auth_open_domain(pd_curve_auth *a, const char *domain, pd_err *e) {
+  size_t n = domain ? strlen(domain) : 0;
+  if (n < 1 || n >= sizeof a->open[0])
+    return pd_err_set(e, PD_EINVAL, "CURVE auth: a ZAP domain is 1..%zu bytes",
+                      sizeof a->open[0] - 1);
+  pthread_mutex_lock(&a->mu);
+  pd_status st = PD_OK;
+  if (a->n_open == MAX_OPEN_DOMAINS)
+    st = pd_err_set(e, PD_ERANGE, "CURVE auth: more than %d open domains", MAX_OPEN_DOMAINS);
+  else
+    memcpy(a->open[a->n_open++], domain, n + 1);
+  pthread_mutex_unlock(&a->mu);
+  return st;
+}
+
 uint64_t pd_curve_auth_denied(pd_curve_auth *a) { return atomic_load(&a->denied); }
+
+int pd_curve_auth_take_denials(pd_curve_auth *a, pd_curve_denial *out, int max,
+                               uint64_t *dropped) {
+  pthread_mutex_lock(&a->mu);
+  int k = 0;
+  for (; k < max && a->ring_n > 0; k++) {
+    out[k] = a->ring[a->ring_head];
+    a->ring_head = (a->ring_head + 1) % DENIAL_RING;
+    a->ring_n--;
+  }
+  if (dropped) *dropped = a->ring_dropped;
+  a->ring_dropped = 0;
+  pthread_mutex_unlock(&a->mu);
+  return k;
+}
 
 void pd_curve_auth_stop(pd_curve_auth *a) {
   if (!a) return;

@@ -138,6 +138,11 @@ void *pd_net_socket(void *ctx, const pd_net_sock_opts *o_in, pd_err *e) {
   }
   if (o->curve_server) {
     if (pd_curve_server_setup(s, o->curve_keys, e) != PD_OK) goto fail;
+    if (o->zap_domain && zmq_setsockopt(s, ZMQ_ZAP_DOMAIN, o->zap_domain,
+                                        strlen(o->zap_domain)) != 0) {
+      ZERR(e, PD_EIO, "zmq_setsockopt(ZMQ_ZAP_DOMAIN=%s)", o->zap_domain);
+      goto fail;
+    }
   } else if (o->curve_server_key) {
     if (pd_curve_client_setup(s, o->curve_keys, o->curve_server_key, e) != PD_OK) goto fail;
   }
@@ -305,6 +310,7 @@ static void msg_reset(pd_net_msg *m) {
   for (int i = 0; i < m->n_payload; i++) zmq_msg_close(&f[i]);
   m->n_payload = 0;
   m->routing_id_len = 0;
+  m->has_peer_key = false;
   pd_wire_msg_clear(&m->wire);
 }
 
@@ -351,6 +357,13 @@ static bool has_more(void *sock) {
   return zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &n) == 0 && more;
 }
 
+/* The sender's CURVE key from a frame's User-Id (set by pd_curve_auth: Z85, 40 characters). */
+static void peer_key_of(zmq_msg_t *f, pd_net_msg *m) {
+  const char *uid = zmq_msg_gets(f, "User-Id");
+  m->has_peer_key = uid && strlen(uid) == PD_CURVE_Z85_LEN &&
+                    zmq_z85_decode(m->peer_key, uid) != NULL;
+}
+
 pd_status pd_net_recv(void *sock, int timeout_ms, const pd_wire_limits *l, pd_net_msg *m,
                       bool *got, pd_err *e) {
   *got = false;
@@ -385,6 +398,9 @@ pd_status pd_net_recv(void *sock, int timeout_ms, const pd_wire_limits *l, pd_ne
     *got = true;
     bool more = has_more(sock);
     size_t size = zmq_msg_size(&f);
+    /* the envelope frame carries the connection's metadata (a ROUTER's routing id frame only
+     * sometimes does) */
+    if (index <= 1 && !m->has_peer_key) peer_key_of(&f, m);
     if (type == ZMQ_ROUTER && index == 0) {
       if (size == 0 || size > PD_NET_ROUTING_ID_MAX) {
         if (!st) st = pd_err_set(e, PD_EFORMAT, "routing id frame of %zu bytes", size);
@@ -448,10 +464,12 @@ pd_status pd_net_recv(void *sock, int timeout_ms, const pd_wire_limits *l, pd_ne
     /* Keep the routing id so the caller can answer the sender. */
     uint8_t rid[PD_NET_ROUTING_ID_MAX];
     size_t rid_len = m->routing_id_len;
+    bool has_key = m->has_peer_key;
     memcpy(rid, m->routing_id, rid_len);
     msg_reset(m);
     memcpy(m->routing_id, rid, rid_len);
     m->routing_id_len = rid_len;
+    m->has_peer_key = has_key;
   }
   return st;
 }

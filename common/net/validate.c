@@ -91,6 +91,13 @@ static pd_status v_curve_key(const char *what, ProtobufCBinaryData k, pd_err *e)
   return PD_OK;
 }
 
+static pd_status v_token_bytes(const char *what, ProtobufCBinaryData t, pd_err *e) {
+  if (t.len != PD_WIRE_TOKEN_BYTES)
+    return pd_err_set(e, PD_EINVAL, "%s must be %d bytes, got %zu", what, PD_WIRE_TOKEN_BYTES,
+                      t.len);
+  return PD_OK;
+}
+
 static pd_status v_count(const char *what, size_t n, size_t max, pd_err *e) {
   if (n > max) return pd_err_set(e, PD_ERANGE, "%s has %zu entries, limit %zu", what, n, max);
   return PD_OK;
@@ -212,7 +219,7 @@ pd_status pd_wire_validate_error(const Pd__Error *m, const pd_wire_limits *l, pd
   if (!m) return pd_err_set(e, PD_EINVAL, "error is missing");
   pd_status st;
   if ((st = v_enum("error.code", m->code, PD__ERROR_CODE__ERROR_CODE_UNSPECIFIED,
-                   PD__ERROR_CODE__ERROR_CODE_INTERNAL, e)))
+                   PD__ERROR_CODE__ERROR_CODE_UNAUTHORIZED, e)))
     return st;
   if ((st = v_str("error.message", m->message, l->max_message_bytes, false, NULL, e))) return st;
   return v_id("error.request_id", m->request_id, false, e);
@@ -327,6 +334,9 @@ pd_status pd_wire_validate_generate(const Pd__GenerateRequest *m, const pd_wire_
                         l->max_text_bytes);
   }
   if ((st = pd_wire_validate_sampling(m->sampling, l, e))) return st;
+  /* the message names the field only: the key itself is never echoed */
+  if ((st = v_str("generate.api_key", m->api_key, l->max_message_bytes, false, NULL, e)))
+    return st;
   return v_str("generate.cache_salt", m->cache_salt, l->max_name_bytes, false, NULL, e);
 }
 
@@ -469,6 +479,8 @@ pd_status pd_wire_validate_reserve_reply(const Pd__ReserveReply *m, const pd_wir
   }
   if (m->reservation_id == 0)
     return pd_err_set(e, PD_EINVAL, "reserve_reply.reservation_id is required");
+  if ((st = v_token_bytes("reserve_reply.reservation_token", m->reservation_token, e)))
+    return st;
   if (m->n_block_ids < 1)
     return pd_err_set(e, PD_EINVAL, "reserve_reply: no block ids");
   if ((st = v_blocks("reserve_reply.block_ids", m->block_ids, m->n_block_ids, l->max_context,
@@ -492,6 +504,8 @@ static pd_status v_destination(const Pd__KvDestination *d, uint64_t n_tokens,
   if ((st = v_curve_key("prefill.dest.curve_public_key", d->curve_public_key, e))) return st;
   if (d->reservation_id == 0)
     return pd_err_set(e, PD_EINVAL, "prefill.dest.reservation_id is required");
+  if ((st = v_token_bytes("prefill.dest.reservation_token", d->reservation_token, e)))
+    return st;
   if ((st = v_geometry("prefill.dest.kv", d->kv, e))) return st;
   uint64_t need = ceil_div(n_tokens, d->kv->block_size);
   if (d->n_block_ids != need)
@@ -571,6 +585,7 @@ pd_status pd_wire_validate_kv_header(const Pd__KvTransferHeader *m, const pd_wir
   if ((st = v_id("kv_header.request_id", m->request_id, true, e))) return st;
   if (m->reservation_id == 0)
     return pd_err_set(e, PD_EINVAL, "kv_header.reservation_id is required");
+  if ((st = v_token_bytes("kv_header.reservation_token", m->reservation_token, e))) return st;
   int32_t want_layers = m->draft ? l->draft_num_layers : l->num_layers;
   int32_t want_heads = m->draft ? l->draft_num_kv_heads : l->num_kv_heads;
   int32_t want_hd = m->draft ? l->draft_head_dim : l->head_dim;
@@ -648,6 +663,7 @@ pd_status pd_wire_validate_kv_done(const Pd__KvTransferDone *m, const pd_wire_li
   pd_status st;
   if ((st = v_id("kv_done.request_id", m->request_id, true, e))) return st;
   if (m->reservation_id == 0) return pd_err_set(e, PD_EINVAL, "kv_done.reservation_id is required");
+  if ((st = v_token_bytes("kv_done.reservation_token", m->reservation_token, e))) return st;
   if (m->n_chunks < 1 || m->n_chunks > MAX_CHUNKS)
     return pd_err_set(e, PD_ERANGE, "kv_done.n_chunks %u out of range", m->n_chunks);
   if (m->total_bytes < 1)
@@ -701,7 +717,7 @@ pd_status pd_wire_validate_abort(const Pd__Abort *m, const pd_wire_limits *l, pd
   pd_status st;
   if ((st = v_id("abort.request_id", m->request_id, true, e))) return st;
   if ((st = v_enum("abort.code", m->code, PD__ERROR_CODE__ERROR_CODE_UNSPECIFIED,
-                   PD__ERROR_CODE__ERROR_CODE_INTERNAL, e)))
+                   PD__ERROR_CODE__ERROR_CODE_UNAUTHORIZED, e)))
     return st;
   return v_str("abort.reason", m->reason, l->max_message_bytes, false, NULL, e);
 }

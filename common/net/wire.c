@@ -1,9 +1,11 @@
 /* Envelope decoding with a capped allocator, encoding, limits and conversions (pd/wire.h).
  * Validation of the bodies is in validate.c. */
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "pd/wire.h"
 
@@ -243,6 +245,42 @@ Pd__ErrorCode pd_wire_error_code(pd_status s) {
     case PD_EFULL: return PD__ERROR_CODE__ERROR_CODE_OVERLOADED;
     default: return PD__ERROR_CODE__ERROR_CODE_INTERNAL;
   }
+}
+
+/* ---- unguessable ids ---- */
+
+pd_status pd_wire_random(void *buf, size_t n, pd_err *e) {
+  uint8_t *p = buf;
+  while (n > 0) {
+    ssize_t got = getrandom(p, n, 0);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return pd_err_set(e, PD_EIO, "getrandom: %s", strerror(errno));
+    }
+    p += got;
+    n -= (size_t)got;
+  }
+  return PD_OK;
+}
+
+pd_status pd_wire_random_hex(char out[2 * PD_WIRE_TOKEN_BYTES + 1], pd_err *e) {
+  uint8_t b[PD_WIRE_TOKEN_BYTES];
+  pd_status st = pd_wire_random(b, sizeof b, e);
+  if (st) return st;
+  static const char hx[] = "0123456789abcdef";
+  for (size_t i = 0; i < sizeof b; i++) {
+    out[2 * i] = hx[b[i] >> 4];
+    out[2 * i + 1] = hx[b[i] & 15];
+  }
+  out[2 * sizeof b] = 0;
+  return PD_OK;
+}
+
+bool pd_wire_token_eq(ProtobufCBinaryData a, const uint8_t b[PD_WIRE_TOKEN_BYTES]) {
+  if (a.len != PD_WIRE_TOKEN_BYTES || !a.data) return false;
+  uint8_t diff = 0;
+  for (size_t i = 0; i < PD_WIRE_TOKEN_BYTES; i++) diff |= (uint8_t)(a.data[i] ^ b[i]);
+  return diff == 0;
 }
 
 const char *pd_wire_body_name(Pd__Envelope__BodyCase c) {

@@ -13,6 +13,19 @@
 
 /* ---- flags ---- */
 
+/* What a node lacks to prove its membership: ", --flag (why)" for each, "" when nothing. */
+static void membership_missing(const pd_node_opts *o, bool decode, char *out, size_t cap) {
+  out[0] = 0;
+  size_t k = 0;
+  if ((!o->curve_secret_file || !*o->curve_secret_file) &&
+      (!o->curve_secret_key || !*o->curve_secret_key))
+    k += (size_t)snprintf(out + k, cap - k, ", --curve-secret-file FILE (this node's keypair)");
+  if ((!o->router_public_key || !*o->router_public_key) && k < cap)
+    k += (size_t)snprintf(out + k, cap - k, ", --router-public-key KEY|FILE");
+  if (decode && (!o->curve_allow_file || !*o->curve_allow_file) && k < cap)
+    snprintf(out + k, cap - k, ", --curve-allow-file FILE (the keys its KV port admits)");
+}
+
 int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   memset(o, 0, sizeof *o);
   pd_runtime_opts_default(&o->rt);
@@ -49,11 +62,17 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
       {"curve-secret-file", PD_OPT_STR, &o->curve_secret_file, "FILE",
        "this node's CURVE keypair (zcert format)", NULL},
       {"curve-secret-key", PD_OPT_STR, &o->curve_secret_key, "Z85",
-       "this node's CURVE secret key", NULL},
-      {"router-public-key", PD_OPT_STR, &o->router_public_key, "Z85",
-       "the router's CURVE public key (enables CURVE toward the router)", NULL},
+       "this node's CURVE secret key (visible in ps: prefer --curve-secret-file or "
+       "PD_CURVE_SECRET_KEY)", NULL},
+      {"router-public-key", PD_OPT_STR, &o->router_public_key, "Z85|FILE",
+       "the router's CURVE public key, or a key file holding it (router.pub)", NULL},
       {"curve-allow-file", PD_OPT_STR, &o->curve_allow_file, "FILE",
-       "decode: admit only these public keys on the KV port", NULL},
+       "decode: the keys admitted on the KV port, one Z85 public key per line (nodes.allow)",
+       NULL},
+      {"insecure", PD_OPT_BOOL, &o->insecure, NULL,
+       "run without the cluster's keys (no keypair, router key or, on a decode node, allow "
+       "list): the router cannot tell this node from another process, and any process can "
+       "send KV pages to a decode node (logs a warning)", NULL},
       {"ready-file", PD_OPT_STR, &o->ready_file, "PATH",
        "write a JSON status file once registered", NULL},
       {"fail-device-after", PD_OPT_INT, &o->fail_device_after, "N",
@@ -63,7 +82,7 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
       {"verbose", PD_OPT_BOOL, &o->verbose, NULL, "debug logs", NULL},
       {"help", PD_OPT_BOOL, &o->help, NULL, "show this help", NULL},
   };
-  int n0 = 19;
+  int n0 = 20;
   if (pd_runtime_opts_table(&o->rt, opts + n0, 48 - n0) < 0) return 1;
   const char *prog = decode ? "pd-decode" : "pd-prefill";
   pd_err e = {0};
@@ -102,6 +121,14 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   }
   if (o->node_id && !pd_wire_id_ok(o->node_id)) {
     fprintf(stderr, "%s: --node-id must be 1..128 bytes of [A-Za-z0-9._:/@+-]\n", prog);
+    return 1;
+  }
+  /* membership: a keypair, the router's key and (decode) the keys its KV port admits */
+  char missing[256];
+  membership_missing(o, decode, missing, sizeof missing);
+  if (missing[0] && !o->insecure) {
+    fprintf(stderr, "%s: refusing to start: a node proves it belongs to the cluster with%s "
+            "(`pdctl keys generate` writes them); --insecure runs without\n", prog, missing + 1);
     return 1;
   }
   return 0;
@@ -255,16 +282,16 @@ static void send_register(pd_node *n) {
 static void *hb_main(void *ud) {
   pd_node *n = ud;
   pd_err e = {0};
-  char rid[PD_WIRE_ID_MAX_BYTES + 8];
-  snprintf(rid, sizeof rid, "%s/hb", n->node_id);
+  char rid[sizeof n->rid + 3];
+  snprintf(rid, sizeof rid, "%s/hb", n->rid);
   pd_net_sock_opts so;
   pd_net_sock_opts_init(&so, ZMQ_DEALER);
   so.routing_id = rid;
   so.send_timeout_ms = 0;
   so.sndhwm = 4; /* a heartbeat that cannot leave now is stale by the next one */
-  if (n->o.router_public_key) {
+  if (n->router_key[0]) {
     so.curve_keys = &n->keys;
-    so.curve_server_key = n->o.router_public_key;
+    so.curve_server_key = n->router_key;
   }
   void *sock = pd_net_socket(n->zctx, &so, &e);
   if (!sock || pd_net_connect(sock, n->o.router_ep, &e) != PD_OK) {
@@ -408,6 +435,7 @@ void pd_node_drain_router(pd_node *n) {
 int64_t pd_node_tick(pd_node *n) {
   int64_t now = pd_now_ms();
   atomic_store(&n->hb_progress_ms, now);
+  pd_curve_log_denials(n->auth, &n->deny_log);
   if (now >= n->next_load_ms) { /* the snapshot the heartbeat thread sends */
     Pd__Load load;
     pd__load__init(&load);
@@ -555,11 +583,21 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
   atomic_init(&n->healthy, false);
   if (o->node_id) snprintf(n->node_id, sizeof n->node_id, "%s", o->node_id);
   else default_node_id(n);
+  char missing[256];
+  membership_missing(o, role == PD__ROLE__ROLE_DECODE, missing, sizeof missing);
+  if (missing[0] && o->insecure)
+    pd_log(PD_LOG_WARN, "--insecure: running without%s: the router cannot tell this node from "
+           "another process%s", missing + 1,
+           role == PD__ROLE__ROLE_DECODE ? ", and any process can send KV pages to it" : "");
+  char rnd[2 * PD_WIRE_TOKEN_BYTES + 1];
+  pd_status st = pd_wire_random_hex(rnd, e);
+  if (st) return st;
+  snprintf(n->rid, sizeof n->rid, "%s#%s", n->node_id, rnd);
   if (o->served_name) snprintf(n->model_name, sizeof n->model_name, "%s", o->served_name);
   else pd_basename(o->model_dir, n->model_name, sizeof n->model_name);
   if (getrandom(&n->incarnation, sizeof n->incarnation, 0) != sizeof n->incarnation)
     n->incarnation = (uint64_t)pd_now_ms() ^ ((uint64_t)getpid() << 32);
-  pd_status st = pd_model_fingerprint(o->model_dir, &n->fingerprint, e);
+  st = pd_model_fingerprint(o->model_dir, &n->fingerprint, e);
   if (st) return st;
   n->rt.sched = NULL;
   pd_runtime_opts ro = o->rt;
@@ -617,9 +655,17 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
   if ((st = pd_curve_keys_from_flags(o->curve_secret_file, o->curve_secret_key, &n->keys,
                                      &n->have_keys, e)) != PD_OK)
     return st;
-  if (o->router_public_key && !n->have_keys) {
-    if ((st = pd_curve_keypair_generate(&n->keys, e)) != PD_OK) return st;
-    n->have_keys = true;
+  if (o->router_public_key && *o->router_public_key) {
+    pd_curve_keypair rk;
+    if ((st = pd_curve_key_arg(o->router_public_key, false, &rk, e)) != PD_OK) {
+      pd_err_prefix(e, "--router-public-key");
+      return st;
+    }
+    memcpy(n->router_key, rk.public_z85, sizeof n->router_key);
+    if (!n->have_keys) { /* --insecure: a key of its own that no allow list has */
+      if ((st = pd_curve_keypair_generate(&n->keys, e)) != PD_OK) return st;
+      n->have_keys = true;
+    }
   }
   n->zctx = pd_net_ctx_new(1, e);
   if (!n->zctx) return e->code;
@@ -630,11 +676,11 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
   }
   pd_net_sock_opts so;
   pd_net_sock_opts_init(&so, ZMQ_DEALER);
-  so.routing_id = n->node_id;
+  so.routing_id = n->rid;
   so.send_timeout_ms = 0;
-  if (o->router_public_key) {
+  if (n->router_key[0]) {
     so.curve_keys = &n->keys;
-    so.curve_server_key = o->router_public_key;
+    so.curve_server_key = n->router_key;
   }
   n->router_sock = pd_net_socket(n->zctx, &so, e);
   if (!n->router_sock) return e->code;

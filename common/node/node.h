@@ -57,13 +57,44 @@ double pd_wall_s(void);
 pd_status pd_model_fingerprint(const char *dir, uint64_t *fp, pd_err *e);
 /* The last path component of dir without trailing slashes ("pycoder-12m"). */
 void pd_basename(const char *dir, char *out, size_t cap);
-/* Loads "one Z85 public key per line, # comments" (or zcert public files listed one per line
- * are NOT accepted: keys only) and allows each on auth. */
+/* Loads "one Z85 public key per line; lines starting with # are comments" (a '#' elsewhere is
+ * part of a key: it is a Z85 character; zcert files are not accepted, keys only) and allows
+ * each on auth. */
 pd_status pd_curve_allow_file(pd_curve_auth *auth, const char *path, pd_err *e);
 /* Keypair from --curve-secret-file or --curve-secret-key (either may be NULL). *have is false
  * when neither is given. */
 pd_status pd_curve_keys_from_flags(const char *file, const char *z85, pd_curve_keypair *kp,
                                    bool *have, pd_err *e);
+
+/* ---- security events in the log ---- */
+
+/* At most PD_LOG_LIMIT_LINES lines per 10 s for one kind of event that a stranger can cause at
+ * will (refused handshakes); the rest are counted and summed up in the next window. Zero it to
+ * start. */
+#define PD_LOG_LIMIT_LINES 10
+typedef struct pd_log_limit {
+  int64_t window_ms; /* start of the current window (pd_now_ms) */
+  int lines;         /* lines logged in it */
+  uint64_t held;     /* events not logged since the last summary */
+} pd_log_limit;
+/* Whether one more line may be logged now (a summary of held events is logged first when a new
+ * window starts); counts the event as held when not. */
+bool pd_log_limit_ok(pd_log_limit *l, const char *what);
+/* Logs (WARN) the handshakes auth refused since the last call, one line each through lim:
+ * "refused a connection to the cluster port from 127.0.0.1 (key K): key not allowed". The port
+ * is named after the socket's ZAP domain ("cluster", "client", "kv"). NULL auth: no-op. */
+void pd_curve_log_denials(pd_curve_auth *auth, pd_log_limit *lim);
+
+/* Handshakes that fail before the ZAP handler is asked, on one server socket: a peer that
+ * offers no CURVE keys to a CURVE server (a node started without the cluster's keys), one that
+ * uses another server key, a broken handshake. A socket monitor (inproc PAIR) on sock; drain
+ * it now and then, stop it before closing sock. */
+typedef struct pd_hs_watch pd_hs_watch;
+pd_hs_watch *pd_hs_watch_start(void *ctx, void *sock, const char *port_name, pd_err *e);
+/* Logs (WARN, through lim) the failures seen since the last call. */
+void pd_hs_watch_drain(pd_hs_watch *w, pd_log_limit *lim);
+/* NULL: no-op. */
+void pd_hs_watch_stop(pd_hs_watch *w);
 
 /* ---- metrics/health HTTP server on its own thread ---- */
 
@@ -122,6 +153,7 @@ typedef struct pd_node_opts {
                        decode: cap of the receive buffer (kv_rx) */
   int kv_crc_threads; /* threads for a KV message's CRC-32, the loop's included (0, 1: the loop) */
   const char *curve_secret_file, *curve_secret_key, *router_public_key, *curve_allow_file;
+  bool insecure;         /* run without the cluster's keys (logs a warning) */
   int fail_device_after; /* testing: inject a device fault after this many steps (0 = never) */
   bool verbose, help;
   pd_runtime_opts rt;
@@ -153,6 +185,10 @@ struct pd_node {
   pd_node_opts o;
   Pd__Role role;
   char node_id[PD_WIRE_ID_MAX_BYTES + 1];
+  /* the routing id of its DEALER to the router: "<node_id>#<128 random bits, hex>", a secret
+   * between the two (the router hands a routing id to whichever connection presents it) */
+  char rid[PD_WIRE_ID_MAX_BYTES + 2 + 2 * PD_WIRE_TOKEN_BYTES];
+  char router_key[PD_CURVE_Z85_LEN + 1]; /* the router's public key; "" = plain ZMTP */
   char model_name[256];
   uint64_t fingerprint, incarnation;
   pd_runtime rt;
@@ -174,7 +210,8 @@ struct pd_node {
                                 thread is one of them; pd/crc32.h); used by the loop only */
   pd_wire_limits lim;        /* receive limits with this node's geometry */
   void *zctx;
-  pd_curve_auth *auth;
+  pd_curve_auth *auth;       /* decode: admits listed prefill keys on the KV port */
+  pd_log_limit deny_log;     /* refused KV-port handshakes */
   pd_curve_keypair keys;
   bool have_keys;
   void *router_sock;

@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define SECRET_MAX 4096
+
 static pd_status set_value(const pd_opt *o, const char *v, const char *from, pd_err *e) {
   char *end = NULL;
   errno = 0;
@@ -59,6 +61,14 @@ static const pd_opt *find(const pd_opt *opts, const char *name, size_t len) {
   for (const pd_opt *o = opts; o->name; o++)
     if (strlen(o->name) == len && !strncmp(o->name, name, len)) return o;
   return NULL;
+}
+
+/* The environment variable of flag --name: PD_NAME, '-' as '_' ("max-tokens": PD_MAX_TOKENS). */
+static void env_name(const char *name, char *out, size_t cap) {
+  size_t j = (size_t)snprintf(out, cap, "PD_");
+  for (const char *p = name; *p && j + 1 < cap; p++)
+    out[j++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
+  out[j] = 0;
 }
 
 /* String values from config files: options point into them for the rest of the process
@@ -178,11 +188,8 @@ pd_status pd_opts_parse(const pd_opt *opts, int argc, char **argv, int first, pd
   }
   /* environment: PD_MAX_TOKENS for --max-tokens */
   for (const pd_opt *o = opts; o->name; o++) {
-    char env[128] = "PD_";
-    size_t j = 3;
-    for (const char *p = o->name; *p && j < sizeof env - 1; p++)
-      env[j++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
-    env[j] = 0;
+    char env[128];
+    env_name(o->name, env, sizeof env);
     const char *v = getenv(env);
     if (v && *v) {
       pd_status st = set_value(o, v, env, e);
@@ -227,4 +234,79 @@ void pd_opts_usage(FILE *f, const pd_opt *opts) {
   fprintf(f, "  %-28s %s\n", "--config FILE",
           "options from a JSON file, {\"option-name\": value, ...} (PD_* environment variables "
           "and the command line win)");
+}
+
+/* ---- secrets ---- */
+
+static pd_status secret_check(const char *what, const char *v, size_t n, pd_err *e) {
+  if (n == 0) return pd_err_set(e, PD_EINVAL, "%s: empty", what);
+  if (n > SECRET_MAX) return pd_err_set(e, PD_ERANGE, "%s: longer than %d bytes", what, SECRET_MAX);
+  for (size_t i = 0; i < n; i++)
+    if ((unsigned char)v[i] <= 0x20 || (unsigned char)v[i] >= 0x7f)
+      return pd_err_set(e, PD_EINVAL, "%s: byte %zu is not printable ASCII (or is a space)",
+                        what, i + 1);
+  return PD_OK;
+}
+
+pd_status pd_secret_opt(const char *name, const char *value, const char *file, char **out,
+                        pd_err *e) {
+  *out = NULL;
+  bool has_value = value && *value, has_file = file && *file;
+  if (has_value && has_file) {
+    char env[128];
+    env_name(name, env, sizeof env);
+    return pd_err_set(e, PD_ERANGE, "give --%s or --%s-file, not both (%s in the environment "
+                      "counts as --%s)", name, name, env, name);
+  }
+  char what[4200];
+  if (has_value) {
+    snprintf(what, sizeof what, "--%s", name);
+    size_t n = strlen(value);
+    pd_status st = secret_check(what, value, n, e);
+    if (st) return st;
+    if (!(*out = strdup(value))) return pd_err_set(e, PD_ENOMEM, "out of memory");
+    return PD_OK;
+  }
+  if (!has_file) return PD_OK;
+  snprintf(what, sizeof what, "--%s-file %s", name, file);
+  FILE *f = fopen(file, "r");
+  if (!f) return pd_err_set(e, PD_EIO, "%s: %s", what, strerror(errno));
+  char buf[SECRET_MAX + 3];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  bool bad = ferror(f) != 0;
+  fclose(f);
+  pd_status st = PD_OK;
+  if (bad) {
+    st = pd_err_set(e, PD_EIO, "%s: read error", what);
+  } else {
+    buf[n] = 0;
+    const char *nl = memchr(buf, '\n', n); /* the first line */
+    size_t end = nl ? (size_t)(nl - buf) : n;
+    if (end == n && n == sizeof buf - 1)
+      st = pd_err_set(e, PD_ERANGE, "%s: longer than %d bytes", what, SECRET_MAX);
+    size_t b = 0;
+    while (b < end && (buf[b] == ' ' || buf[b] == '\t')) b++;
+    while (end > b && (buf[end - 1] == ' ' || buf[end - 1] == '\t' || buf[end - 1] == '\r'))
+      end--;
+    if (!st) st = secret_check(what, buf + b, end - b, e);
+    if (!st) {
+      *out = malloc(end - b + 1);
+      if (!*out) {
+        st = pd_err_set(e, PD_ENOMEM, "out of memory");
+      } else {
+        memcpy(*out, buf + b, end - b);
+        (*out)[end - b] = 0;
+      }
+    }
+  }
+  volatile char *v = buf; /* the stack copy does not outlive the call */
+  for (size_t i = 0; i < sizeof buf; i++) v[i] = 0;
+  return st;
+}
+
+void pd_secret_free(char *s) {
+  if (!s) return;
+  volatile char *v = s;
+  for (size_t i = 0; v[i]; i++) v[i] = 0;
+  free(s);
 }

@@ -40,7 +40,13 @@ if(TARGET pdctl AND TARGET pdclient AND TARGET pd-router AND TARGET pd-prefill A
   pd_add_py_test(test_pdctl_device_fault test_pdctl_device_fault.py 300
                  --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR} --slow ${_pd_ops_slow})
   set_tests_properties(test_pdctl_device_fault PROPERTIES RUN_SERIAL TRUE)
+  # A default cluster against strangers: no joining, no displacing, no KV port, no secret in
+  # ps, cluster.json, logs or environments; --insecure runs and warns.
+  pd_add_py_test(test_cluster_security test_cluster_security.py 300
+                 --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR} --slow ${_pd_ops_slow})
+  set_tests_properties(test_cluster_security PROPERTIES RUN_SERIAL TRUE)
   # Each starts its own cluster: several at once would only fight over the two cores.
   set_tests_properties(test_pdctl_cluster test_pdctl_client test_pdctl_bench test_pdctl_supervise
-                       test_pdctl_device_fault PROPERTIES RESOURCE_LOCK pdctl_cluster)
+                       test_pdctl_device_fault test_cluster_security
+                       PROPERTIES RESOURCE_LOCK pdctl_cluster)
 endif()

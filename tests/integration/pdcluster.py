@@ -129,11 +129,18 @@ class Proc:
 
 
 class Cluster:
-    """A router and its nodes. Node processes are named p0, p1, ... and d0, d1, ..."""
+    """A router and its nodes. Node processes are named p0, p1, ... and d0, d1, ...
+
+    Authenticated like a production cluster: `pdctl keys generate` writes the keypairs into the
+    cluster's folder; the router admits the listed node keys (prefill nodes share node-0.key,
+    decode nodes node-1.key); decode KV ports admit the same keys; the API key (api_key) reaches
+    the router in a file. secure=False runs every process with --insecure instead (a test that
+    brings its own CURVE flags)."""
 
     def __init__(self, build, router_args=(), node_args=(), prefill_args=(), decode_args=(),
                  api_key=None, model=MODEL,
-                 base_node_args=("--threads", "1", "--kv-cache-mb", "64"), node_wrap=()):
+                 base_node_args=("--threads", "1", "--kv-cache-mb", "64"), node_wrap=(),
+                 secure=True):
         """model: the model folder of every process; base_node_args: the nodes' resource flags
         (CPU defaults; a GPU test gives --device ...); node_wrap: a command the node binaries
         run under (e.g. compute-sanitizer)."""
@@ -141,6 +148,11 @@ class Cluster:
         self.model = model
         self.node_wrap = list(node_wrap)
         self.dir = tempfile.mkdtemp(prefix="pdcluster-")
+        self.keys = os.path.join(self.dir, "keys") if secure else None
+        if self.keys:
+            subprocess.run([os.path.join(build, "tools", "pdctl"), "keys", "generate", "--out",
+                            self.keys, "--nodes", "2"], check=True, capture_output=True,
+                           timeout=60)
         self.port = free_port()
         self.cluster_port = free_port()
         self.client_port = free_port()
@@ -156,6 +168,43 @@ class Cluster:
     def url(self):
         return f"http://127.0.0.1:{self.port}"
 
+    def key(self, name):
+        """A file of the cluster's keys folder (router.key, router.pub, node-0.key, ...)."""
+        return os.path.join(self.keys, name)
+
+    def zmq_curve(self, sock):
+        """Makes a pyzmq socket a CURVE client of this router's client port (a fresh keypair of
+        its own); a no-op for a cluster without keys."""
+        if not self.keys:
+            return sock
+        import re
+        import zmq
+        with open(self.key("router.pub")) as f:
+            server = re.search(r'public-key\s*=\s*"([^"]{40})"', f.read()).group(1)
+        public, secret = zmq.curve_keypair()
+        sock.curve_serverkey = server.encode()
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        return sock
+
+    def client_args(self):
+        """Flags of `pdctl client` for this router's client port (its CURVE key)."""
+        return ["--server-key", self.key("router.pub")] if self.keys else []
+
+    def security_args(self, role):
+        """The flags that make a process of this role a member of the cluster."""
+        if not self.keys:
+            return ["--insecure"]
+        if role == "router":
+            return ["--curve-secret-file", self.key("router.key"),
+                    "--curve-allow-file", self.key("nodes.allow")]
+        args = ["--curve-secret-file", self.key("node-0.key" if role == "prefill" else
+                                                "node-1.key"),
+                "--router-public-key", self.key("router.pub")]
+        if role == "decode":
+            args += ["--curve-allow-file", self.key("nodes.allow")]
+        return args
+
     def headers(self):
         h = {"Content-Type": "application/json"}
         if self.api_key:
@@ -167,8 +216,12 @@ class Cluster:
                 "--port", str(self.port), "--cluster-port", str(self.cluster_port),
                 "--client-port", str(self.client_port),
                 "--ready-file", os.path.join(self.dir, "router.ready")] + self.router_args
+        argv += self.security_args("router")
         if self.api_key:
-            argv += ["--api-key", self.api_key]
+            path = os.path.join(self.dir, "api-key")
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(self.api_key + "\n")
+            argv += ["--api-key-file", path]
         name = "router" if "router" not in self.procs else f"router{len(self.procs)}"
         self.procs["router"] = Proc(name, argv, self.dir)
         self._wait_file(os.path.join(self.dir, "router.ready"), self.procs["router"], 20)
@@ -182,7 +235,7 @@ class Cluster:
         ready = os.path.join(self.dir, name + ".ready")
         argv = self.node_wrap + [binary, "--model", self.model, "--router",
                                  f"tcp://127.0.0.1:{self.cluster_port}", "--node-id", name,
-                                 "--ready-file", ready] + self.node_args
+                                 "--ready-file", ready] + self.security_args(role) + self.node_args
         argv += self.prefill_args if role == "prefill" else self.decode_args
         argv += list(extra)
         self.procs[name] = Proc(name, argv, self.dir)
@@ -288,6 +341,58 @@ def run_checks(cluster, checks, chk, name="", n_prefill=1, n_decode=1):
     chk.eq(cluster.down(), [], f"{label}no sanitizer reports")
 
 
+# ---- a few lines of protobuf (proto/pd.proto), for tests that speak the wire themselves ----
+
+PROTOCOL_VERSION = 2  # Envelope.version (pd/wire.h PD_PROTOCOL_VERSION)
+
+def pb_varint(v):
+    out = bytearray()
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        out.append(b | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+def pb_field(num, v):
+    """One field: an int as a varint, str/bytes length-delimited."""
+    if isinstance(v, int):
+        return pb_varint(num << 3) + pb_varint(v)
+    if isinstance(v, str):
+        v = v.encode()
+    return pb_varint(num << 3 | 2) + pb_varint(len(v)) + v
+
+
+def pb_decode(b):
+    """{field number: [values]} of one message (varints as ints, the rest as bytes)."""
+    out, i = {}, 0
+
+    def rd(i):
+        v, s = 0, 0
+        while True:
+            c = b[i]
+            i += 1
+            v |= (c & 0x7F) << s
+            s += 7
+            if not c & 0x80:
+                return v, i
+    while i < len(b):
+        key, i = rd(i)
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = rd(i)
+        elif wt == 2:
+            n, i = rd(i)
+            v, i = b[i:i + n], i + n
+        elif wt == 5:
+            v, i = b[i:i + 4], i + 4
+        else:
+            v, i = b[i:i + 8], i + 8
+        out.setdefault(num, []).append(v)
+    return out
+
+
 def metric(text, name, labels=None):
     """Sum of the samples of a series in Prometheus text (labels: dict subset to match)."""
     total = 0.0
@@ -341,58 +446,6 @@ def stream_completion(url, body, on_chunk=None, timeout=60):
             if on_chunk:
                 on_chunk(n)
     return text, finish, err, done, time.time() - t0
-
-
-# ---- a few lines of protobuf, for tests of the ZeroMQ client API (proto/pd.proto) ----
-
-def pb_varint(v):
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
-def pb_field(num, v):
-    """One field: an int as a varint, str or bytes length-delimited (a string, bytes or an
-    encoded message)."""
-    if isinstance(v, int):
-        return pb_varint(num << 3) + pb_varint(v)
-    if isinstance(v, str):
-        v = v.encode()
-    return pb_varint(num << 3 | 2) + pb_varint(len(v)) + v
-
-
-def pb_decode(b):
-    """The fields of one encoded message: {field number: [values]} (varints as ints, the rest as
-    bytes), for the caller to decode further."""
-    out, i = {}, 0
-
-    def rd(i):
-        v, s = 0, 0
-        while True:
-            c = b[i]
-            i += 1
-            v |= (c & 0x7F) << s
-            s += 7
-            if not c & 0x80:
-                return v, i
-    while i < len(b):
-        key, i = rd(i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = rd(i)
-        elif wt == 2:
-            n, i = rd(i)
-            v, i = b[i:i + n], i + n
-        elif wt == 5:
-            v, i = b[i:i + 4], i + 4
-        else:
-            v, i = b[i:i + 8], i + 8
-        out.setdefault(num, []).append(v)
-    return out
 
 
 def pdctl_generate(build, prompt=None, chat=None, max_tokens=32, extra=()):

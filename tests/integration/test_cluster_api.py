@@ -65,7 +65,7 @@ def curve(build, chk):
     c = None
     try:
         node = ["--curve-secret-key", CLIENT_SECRET, "--router-public-key", SERVER_PUBLIC]
-        c = pc.Cluster(build, node_args=node)
+        c = pc.Cluster(build, node_args=node, secure=False)  # its own keys
         allow = os.path.join(c.dir, "allow.txt")
         with open(allow, "w") as f:
             f.write("# nodes allowed on the cluster port\n" + CLIENT_PUBLIC + "\n")
@@ -313,10 +313,18 @@ def run(c, build, chk):
 
     # ---- ZeroMQ client API ----
     pdctl = os.path.join(build, "tools", "pdctl")
-    out = subprocess.run([pdctl, "client", "--endpoint", f"tcp://127.0.0.1:{c.client_port}",
-                          "--prompt", "def fibonacci(n):", "--max-tokens", "48",
-                          "--temperature", "0", "--json", "--timeout", "30000"],
+    keyfile = os.path.join(c.dir, "api-key")
+    with open(os.open(keyfile, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(KEY + "\n")
+    zargs = [pdctl, "client", "--endpoint", f"tcp://127.0.0.1:{c.client_port}"] + c.client_args()
+    out = subprocess.run(zargs + ["--api-key-file", keyfile,
+                                  "--prompt", "def fibonacci(n):", "--max-tokens", "48",
+                                  "--temperature", "0", "--json", "--timeout", "30000"],
                          capture_output=True, timeout=60)
+    nokey = subprocess.run(zargs + ["--prompt", "x", "--max-tokens", "2"],
+                           capture_output=True, timeout=60)
+    chk.ok(nokey.returncode == 1 and b"unauthorized" in nokey.stderr,
+           "ZeroMQ client API without the API key: refused (unauthorized)")
     ref = pc.pdctl_generate(build, prompt="def fibonacci(n):", max_tokens=48)
     try:
         got = json.loads(out.stdout)["choices"][0]["text"]

@@ -375,14 +375,16 @@ def main_cluster(c, chk):
 
     print("== ZeroMQ client API: the same strictness")
     ctx = zmq.Context()
-    z = zmq_request(ctx, c, generate(rid="z-nul", prompt=b"abc\x00def", max_tokens=4))
+    z = zmq_request(ctx, c, generate(rid="z-nul", prompt=b"abc\x00def", max_tokens=4,
+                                     api_key=c.api_key))
     chk.ok(z[0] in ("error", "chunk-error") and z[1] == 1 and "NUL" in z[2],
            f"ZeroMQ: a NUL in the prompt is refused ({z})")
     z = zmq_request(ctx, c, generate(rid="z-top", prompt=b"def f():", max_tokens=4,
-                                     top_logprobs=2))
+                                     top_logprobs=2, api_key=c.api_key))
     chk.ok(z[0] == "chunk-error" and z[1] == 1 and "logprobs" in z[2],
            f"ZeroMQ: top_logprobs without logprobs: INVALID_REQUEST ({z})")
-    z = zmq_request(ctx, c, generate(rid="z-ok", prompt=b"def f():", max_tokens=4))
+    z = zmq_request(ctx, c, generate(rid="z-ok", prompt=b"def f():", max_tokens=4,
+                                     api_key=c.api_key))
     chk.ok(z[0] == "chunk" and z[1] == 0, f"ZeroMQ: a good request is answered ({z})")
     ctx.destroy(linger=0)
 
@@ -399,7 +401,8 @@ def small_cluster(c, chk):
         chk.ok(e.status_code == 400 and e.param == "n" and "--max-queue" in e.message,
                "n x prompts over --max-queue: BadRequestError, param n")
     ctx = zmq.Context()
-    z = zmq_request(ctx, c, generate(rid="z-n", prompt=b"def f():", max_tokens=2, n=3))
+    z = zmq_request(ctx, c, generate(rid="z-n", prompt=b"def f():", max_tokens=2, n=3,
+                                     api_key=c.api_key))
     chk.ok(z[0] == "chunk-error" and z[1] == 1, f"ZeroMQ: n over the queue: INVALID_REQUEST ({z})")
     ctx.destroy(linger=0)
     # a full tokenizer queue: big prompts keep the one tokenizer thread busy
@@ -457,22 +460,25 @@ def small_cluster(c, chk):
 
 # ---- the ZeroMQ client API (proto/pd.proto), with pdcluster's few lines of protobuf ----
 
-def generate(rid, prompt, max_tokens, n=None, top_logprobs=None):
-    """Envelope{version 1, generate: GenerateRequest{request_id, prompt, sampling}}; greedy."""
+def generate(rid, prompt, max_tokens, n=None, top_logprobs=None, api_key=None):
+    """Envelope{version, generate: GenerateRequest{request_id, prompt, sampling, api_key}};
+    greedy."""
     sp = b"\x0d\x00\x00\x00\x00" + pc.pb_field(6, max_tokens)  # temperature 0.0f, max_tokens
     if n:
         sp += pc.pb_field(10, n)
     if top_logprobs:
         sp += pc.pb_field(12, top_logprobs)
     g = pc.pb_field(1, rid) + pc.pb_field(3, prompt) + pc.pb_field(6, sp)
-    return pc.pb_field(1, 1) + pc.pb_field(2, "conformance") + pc.pb_field(10, g)
+    if api_key:
+        g += pc.pb_field(13, api_key)
+    return pc.pb_field(1, pc.PROTOCOL_VERSION) + pc.pb_field(2, "conformance") + pc.pb_field(10, g)
 
 
 def zmq_request(ctx, c, envelope, timeout_ms=30000):
     """Sends one GenerateRequest; returns ("error", code, message) for an Error envelope,
     ("chunk-error", code, message) for a GenerateChunk with error, ("chunk", 0, text) for the
     final chunk of an answered request."""
-    s = ctx.socket(zmq.DEALER)
+    s = c.zmq_curve(ctx.socket(zmq.DEALER))
     s.setsockopt(zmq.LINGER, 0)
     s.connect(f"tcp://127.0.0.1:{c.client_port}")
     s.send(envelope)

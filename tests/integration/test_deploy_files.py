@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """deploy/: docker-compose.yml, the Kubernetes manifests and the Dockerfiles are checked
 without Docker or a cluster: they parse, hang together (services, probes, ports, selectors),
-name programs that exist and flags those programs accept (from their --help), and copy paths
-that exist. With --bin-dir the flag names are checked against the built binaries; the runtime
+name programs that exist and flags those programs accept (from their --help), give every
+process its keys as files from secrets (compose secrets, Kubernetes Secret volumes) and no
+secret in an environment value, and copy paths that exist. With --bin-dir the flag names are checked against the built binaries; the runtime
 packages of the Dockerfile against the libraries the binaries load (on a Debian host)."""
 import argparse
 import glob
@@ -20,6 +21,14 @@ except ImportError:  # PyPI: pyyaml (tests/integration/requirements.txt); Debian
     sys.exit(1)
 
 ROLES = {"router": "pd-router", "prefill": "pd-prefill", "decode": "pd-decode"}
+# What makes each process a member of an authenticated cluster: files, never values
+# (docs/cluster.md, "Security").
+SECURITY_FILES = {
+    "router": ("PD_CURVE_SECRET_FILE", "PD_CURVE_ALLOW_FILE"),
+    "prefill": ("PD_CURVE_SECRET_FILE", "PD_ROUTER_PUBLIC_KEY"),
+    "decode": ("PD_CURVE_SECRET_FILE", "PD_ROUTER_PUBLIC_KEY", "PD_CURVE_ALLOW_FILE"),
+}
+SECRET_VALUES = ("PD_API_KEY", "PD_CURVE_SECRET_KEY")  # a secret itself: never in a manifest
 errors = []
 
 
@@ -116,6 +125,8 @@ def check_compose(repo, flags):
                   "%s: cluster port %d not reachable by the nodes" % (where, cluster_port))
             check(router_env.get("PD_HOST") == "0.0.0.0" and router_env.get("PD_BIND") == "0.0.0.0",
                   "%s: the router must listen on 0.0.0.0 in a container" % where)
+        if role in ROLES:
+            check_compose_secrets(where, role, env, s, d.get("secrets") or {})
         if "gpu" in (s.get("profiles") or []):
             devs = (((s.get("deploy") or {}).get("resources") or {}).get("reservations")
                     or {}).get("devices") or []
@@ -126,6 +137,26 @@ def check_compose(repo, flags):
                   "%s: a GPU service must build deploy/Dockerfile.cuda" % where)
     check(any("gpu" in (s.get("profiles") or []) for s in svcs.values()),
           "compose: no gpu profile")
+
+
+def check_compose_secrets(where, role, env, svc, top):
+    """Keys reach the service as compose secrets (files under /run/secrets) defined from files
+    in deploy/secrets/, which git ignores; no secret value and no --insecure in its
+    environment."""
+    for k in SECRET_VALUES + ("PD_INSECURE",):
+        check(k not in env, "%s: %s in the environment (secrets come from files)" % (where, k))
+    mounted = [x if isinstance(x, str) else x.get("source") for x in svc.get("secrets") or []]
+    for k in SECURITY_FILES[role]:
+        m = re.match(r"/run/secrets/([\w.-]+)$", env.get(k, ""))
+        if not check(m, "%s: %s must name a file in /run/secrets, got %r" % (where, k,
+                                                                              env.get(k))):
+            continue
+        name = m.group(1)
+        check(name in mounted, "%s: %s names secret %s, which the service does not mount" %
+              (where, k, name))
+        f = (top.get(name) or {}).get("file", "")
+        check(f.startswith("./secrets/"), "%s: secret %s is not a file of deploy/secrets (%r)" %
+              (where, name, f))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,10 +251,14 @@ def check_k8s(repo, flags):
                 names = {e["name"] for e in c.get("env", [])}
                 check({"PD_NODE_ID", "PD_ADVERTISE_HOST"} <= names,
                       "%s: nodes need a unique PD_NODE_ID and their PD_ADVERTISE_HOST" % where)
+            check_k8s_secrets(where, role, c, tmpl["spec"])
     check(roles_seen == set(ROLES), "k8s: Deployments for %s missing" %
           sorted(set(ROLES) - roles_seen))
     # ConfigMap keys are flags of some program that reads them
     for name, cm in cms.items():
+        for k in SECRET_VALUES + ("PD_INSECURE",):
+            check(k not in cm.get("data", {}), "ConfigMap %s: %s (secrets come from files)" %
+                  (name, k))
         for k in cm.get("data", {}):
             known = [f for f in flags.values() if f is not None]
             if len(known) == len(ROLES):  # all three programs' flags are known
@@ -260,6 +295,33 @@ def check_k8s(repo, flags):
                 check(t in cports or t in cports.values(),
                       "%s: Service %s targets port %s that the pods do not have" % (rel, name, t))
     check("pdserve" in svcs, "k8s: no Service for the router's HTTP API")
+
+
+def check_k8s_secrets(where, role, c, pod):
+    """Keys reach the container as files of a Secret volume (items it mounts); no secret value
+    (value or valueFrom) and no --insecure in its environment."""
+    env = {e["name"]: e for e in c.get("env", [])}
+    for k in SECRET_VALUES + ("PD_INSECURE",):
+        check(k not in env, "%s: %s in the environment (secrets come from files)" % (where, k))
+    vols = {v["name"]: v for v in pod.get("volumes") or []}
+    mounts = c.get("volumeMounts") or []
+    for k in SECURITY_FILES[role]:
+        path = (env.get(k) or {}).get("value") or ""
+        if not check(path.startswith("/"), "%s: %s must be a file path, got %r" % (where, k, path)):
+            continue
+        mount = next((m for m in mounts if path.startswith(m["mountPath"].rstrip("/") + "/")),
+                     None)
+        if not check(mount, "%s: %s (%s) is on no volume mount" % (where, k, path)):
+            continue
+        sec = (vols.get(mount["name"]) or {}).get("secret")
+        if not check(sec, "%s: %s is not on a Secret volume" % (where, k)):
+            continue
+        rel = path[len(mount["mountPath"].rstrip("/")) + 1:]
+        items = sec.get("items")
+        check(not items or rel in [i["path"] for i in items],
+              "%s: %s: the Secret volume has no item %s" % (where, k, rel))
+        check(sec.get("defaultMode", 0o644) & 0o007 == 0,
+              "%s: the Secret volume's files are readable by everyone" % where)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,6 +440,11 @@ def main():
     if missing:
         print("note: flag names not checked for %s (not built)" % ", ".join(missing))
     check_compose(a.repo, flags)
+    try:
+        ignored = open(os.path.join(a.repo, "deploy", ".gitignore")).read().split()
+    except OSError:
+        ignored = []
+    check("secrets/" in ignored, "deploy/.gitignore must keep deploy/secrets/ (keys) out of git")
     check_k8s(a.repo, flags)
     check_dockerfiles(a.repo, a.bin_dir)
     if errors:

@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """pdctl client over the router's ZeroMQ client API: a streamed answer, the same text as the
-non-streamed one and as the HTTP API's (greedy), chat, and a bounded failure on a dead port."""
+non-streamed one and as the HTTP API's (greedy), chat, and a bounded failure on a dead port.
+The client port of a default cluster is CURVE: without the router's key the handshake fails in
+time; with an API key every request must carry it (from a file or PD_API_KEY, never argv)."""
+import os
 import json
 
 from test_pdctl_common import Cluster, http, main, run
@@ -12,8 +15,9 @@ def scenario(args):
     with Cluster(args) as c:
         c.up()
         ep = c.info["client_endpoint"]
-        common = ["--endpoint", ep, "--prompt", PROMPT, "--max-tokens", "16", "--temperature",
-                  "0", "--ignore-eos"]
+        conn = c.client_args()
+        common = conn + ["--prompt", PROMPT, "--max-tokens", "16", "--temperature", "0",
+                         "--ignore-eos"]
         s = run(args, ["client"] + common + ["--stream"], 60, check=0)
         streamed = s.stdout
         assert streamed.strip(), "no streamed text"
@@ -38,30 +42,47 @@ def scenario(args):
         assert text == ch["text"], (text, ch["text"])
 
         # chat through the template
-        cj = run(args, ["client", "--endpoint", ep, "--chat", "Write a sort function",
+        cj = run(args, ["client"] + conn + ["--chat", "Write a sort function",
                         "--max-tokens", "8", "--temperature", "0", "--json"], 60, check=0)
         cres = json.loads(cj.stdout)
         assert cres["choices"][0]["finish_reason"] in ("stop", "length"), cres
         assert 0 < len(cres["choices"][0]["token_ids"]) <= 8, cres
 
         # invalid input is refused with a message, exit 1
-        bad = run(args, ["client", "--endpoint", ep, "--prompt", "x", "--max-tokens", "0"], 30)
+        bad = run(args, ["client"] + conn + ["--prompt", "x", "--max-tokens", "0"], 30)
         assert bad.returncode == 1 and "max-tokens" in bad.stderr, bad.stderr
 
-    # CURVE: a router with a keypair (the published example pair of zmq_curve(7), for tests
-    # only); the client needs its public key, and without it the handshake fails in time
-    secret, public = "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6", "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
-    with Cluster(args, extra=["--router-args", "--curve-secret-key " + secret],
-                 node_flags=("--threads", "1", "--router-public-key", public)) as cc:
-        cc.up()
-        cep = cc.info["client_endpoint"]
-        ok = run(args, ["client", "--endpoint", cep, "--server-key", public, "--prompt", PROMPT,
+        # CURVE: the router's public key as Z85 text works as the key file does; without it
+        # the handshake fails in time
+        public = c.info["security"]["router_public_key"]
+        ok = run(args, ["client", "--endpoint", ep, "--server-key", public, "--prompt", PROMPT,
                         "--max-tokens", "16", "--temperature", "0", "--ignore-eos", "--json"],
                  60, check=0)
         assert json.loads(ok.stdout)["choices"][0]["text"] == ch["text"], ok.stdout
-        plain = run(args, ["client", "--endpoint", cep, "--prompt", "x", "--connect-timeout",
+        plain = run(args, ["client", "--endpoint", ep, "--prompt", "x", "--connect-timeout",
                            "1000"], 30)
         assert plain.returncode == 1 and "handshake" in plain.stderr, plain.stderr
+
+    # an API key: requests without it are refused, with it (file or environment) answered
+    keyfile = os.path.join(c.tmp, "client-key")
+    with open(os.open(keyfile, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write("k3y-for-the-client-test\n")
+    with Cluster(args, extra=["--api-key-file", keyfile]) as ck:
+        ck.up()
+        conn = ck.client_args()
+        assert "--api-key-file" in conn, conn
+        nokey = [a for i, a in enumerate(conn) if "--api-key-file" not in conn[max(i - 1, 0):i + 1]]
+        refused = run(args, ["client"] + nokey + ["--prompt", PROMPT, "--max-tokens", "4"], 30)
+        assert refused.returncode == 1 and "unauthorized" in refused.stderr, refused.stderr
+        wrong = run(args, ["client"] + nokey + ["--prompt", PROMPT, "--max-tokens", "4"], 30,
+                    env=dict(os.environ, PD_API_KEY="not-the-key"))
+        assert wrong.returncode == 1 and "unauthorized" in wrong.stderr, wrong.stderr
+        good = run(args, ["client"] + conn + ["--prompt", PROMPT, "--max-tokens", "4"], 30,
+                   check=0)
+        assert "4 output tokens" in good.stderr, good.stderr
+        env = run(args, ["client"] + nokey + ["--prompt", PROMPT, "--max-tokens", "4"], 30,
+                  check=0, env=dict(os.environ, PD_API_KEY="k3y-for-the-client-test"))
+        assert "4 output tokens" in env.stderr, env.stderr
 
     # the cluster is gone: connecting fails within the connect timeout
     gone = run(args, ["client", "--endpoint", ep, "--prompt", "x", "--connect-timeout", "500"],

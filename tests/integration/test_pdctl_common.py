@@ -129,6 +129,21 @@ class Cluster:
     def url(self):
         return "http://127.0.0.1:%d" % self.info["http_port"]
 
+    def keys_file(self, name):
+        """A file of the cluster's keys folder (router.pub, node-0.key, api-key, ...)."""
+        return os.path.join(self.run_dir, "keys", name)
+
+    def client_args(self):
+        """`pdctl client` flags for this cluster's client port: its endpoint, the router's
+        CURVE key (none with --insecure) and the API key file when there is one."""
+        sec = self.info.get("security", {})
+        a = ["--endpoint", self.info["client_endpoint"]]
+        if not sec.get("insecure"):
+            a += ["--server-key", os.path.join(sec["keys_dir"], "router.pub")]
+        if sec.get("api_key_file"):
+            a += ["--api-key-file", sec["api_key_file"]]
+        return a
+
     def down(self):
         if os.path.isdir(self.run_dir):
             try:

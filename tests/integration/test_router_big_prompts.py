@@ -32,6 +32,7 @@ import pdcluster as pc  # noqa: E402
 pc.ensure_packages(("requests", "requests"), ("zmq", "pyzmq"))
 import requests  # noqa: E402
 import zmq  # noqa: E402
+from pdcluster import pb_decode, pb_field  # noqa: E402
 
 MB = 1 << 20
 
@@ -52,11 +53,12 @@ def python_text(nbytes):
 def zmq_generate(rid, prompt, max_tokens=8):
     req = (pc.pb_field(1, rid) + pc.pb_field(3, prompt) +
            pc.pb_field(6, pc.pb_field(6, max_tokens)))  # sampling.max_tokens
-    return pc.pb_field(1, 1) + pc.pb_field(2, "test") + pc.pb_field(10, req)
+    return pc.pb_field(1, pc.PROTOCOL_VERSION) + pc.pb_field(2, "test") + pc.pb_field(10, req)
 
 
 def zmq_cancel(rid):
-    return pc.pb_field(1, 1) + pc.pb_field(2, "test") + pc.pb_field(11, pc.pb_field(1, rid))
+    return (pc.pb_field(1, pc.PROTOCOL_VERSION) + pc.pb_field(2, "test") +
+            pc.pb_field(11, pc.pb_field(1, rid)))
 
 
 def zmq_chunks(sock, timeout_s):
@@ -102,7 +104,7 @@ def main():
     zctx = zmq.Context()
 
     def zsock():
-        s = zctx.socket(zmq.DEALER)
+        s = c.zmq_curve(zctx.socket(zmq.DEALER))
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"tcp://127.0.0.1:{c.client_port}")
         return s

@@ -27,6 +27,7 @@ typedef struct fake {
   atomic_int cancels;    /* CancelRequests received */
   atomic_int requests;   /* GenerateRequests received */
   char last_id[PD_WIRE_ID_MAX_BYTES + 1];
+  char last_key[64];     /* the api_key of the last GenerateRequest */
 } fake;
 
 static void send_chunk(fake *f, const pd_net_msg *m, const char *id, uint32_t index,
@@ -90,6 +91,7 @@ static void *serve(void *arg) {
     atomic_fetch_add(&f->requests, 1);
     const Pd__GenerateRequest *r = env->generate;
     snprintf(f->last_id, sizeof f->last_id, "%s", r->request_id);
+    snprintf(f->last_key, sizeof f->last_key, "%s", r->api_key ? r->api_key : "");
     const char *p = r->prompt ? r->prompt : "";
     if (!strcmp(p, "hello")) {
       send_chunk(f, &m, r->request_id, 0, "Hel", 7, PD__FINISH_REASON__FINISH_REASON_NONE, false);
@@ -207,6 +209,7 @@ static void test_plain(void) {
   CHECK(res.finish_reason == PD__FINISH_REASON__FINISH_REASON_LENGTH);
   CHECK(res.error_code == PD__ERROR_CODE__ERROR_CODE_UNSPECIFIED);
   CHECK(!strcmp(res.request_id, f.last_id) && res.request_id[0]);
+  CHECK(f.last_key[0] == 0); /* no API key: none sent */
   char first_id[PD_WIRE_ID_MAX_BYTES + 1];
   snprintf(first_id, sizeof first_id, "%s", res.request_id);
 
@@ -273,6 +276,24 @@ static void test_plain(void) {
     nanosleep(&ts, NULL);
   }
   CHECK(atomic_load(&f.cancels) == cancels0 + 1);
+
+  /* an API key goes with every request that has none of its own; the caller's struct keeps
+   * what it had */
+  o.api_key = "sk-test-key";
+  c = pd_client_connect(f.endpoint, &o, &e);
+  CHECKF(c != NULL, "%s", e.msg);
+  if (c) {
+    memset(&s, 0, sizeof s);
+    request(&r, &sp, "hello", 1);
+    CHECK(pd_client_generate(c, &r, on_chunk, &s, &res, &e) == PD_OK);
+    CHECK(!strcmp(f.last_key, "sk-test-key"));
+    CHECK(r.api_key && r.api_key[0] == 0); /* as the init left it */
+    memset(&s, 0, sizeof s);
+    r.api_key = (char *)"sk-own";
+    CHECK(pd_client_generate(c, &r, on_chunk, &s, &res, &e) == PD_OK);
+    CHECK(!strcmp(f.last_key, "sk-own"));
+    pd_client_close(c);
+  }
   fake_stop(&f);
 }
 

@@ -186,6 +186,8 @@ static void test_ranges(void) {
   uint64_t frames[2] = {size / 3, size - size / 3};
   h.request_id = "r1";
   h.reservation_id = 1;
+  uint8_t token[PD_WIRE_TOKEN_BYTES] = {7};
+  h.reservation_token = (ProtobufCBinaryData){sizeof token, token};
   h.layer_begin = 1;
   h.layer_end = 3;
   h.head_begin = 0;

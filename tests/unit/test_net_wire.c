@@ -97,6 +97,7 @@ static void fill_logprobs(void) {
 static Pd__Error err_body = PD__ERROR__INIT;
 static Pd__KvGeometry geo = PD__KV_GEOMETRY__INIT, dgeo = PD__KV_GEOMETRY__INIT;
 static Pd__Load load = PD__LOAD__INIT;
+static uint8_t tok16[PD_WIRE_TOKEN_BYTES] = {9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, 6};
 static uint8_t key32[32] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
                             17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32};
 static int32_t blocks[] = {5, 3, 77, 200, 1, 2};      /* ceil(22 / 16) = 2 for prefill dest */
@@ -289,6 +290,7 @@ static bool build(int k, Pd__Envelope *env) {
       rrep.request_id = "cmpl-1/0";
       rrep.ok = true;
       rrep.reservation_id = 5;
+      rrep.reservation_token = (ProtobufCBinaryData){sizeof tok16, tok16};
       rrep.n_block_ids = 2;
       rrep.block_ids = blocks;
       rrep.n_draft_block_ids = 2;
@@ -302,6 +304,7 @@ static bool build(int k, Pd__Envelope *env) {
       dest.endpoint = "tcp://127.0.0.1:5601";
       dest.curve_public_key = (ProtobufCBinaryData){32, key32};
       dest.reservation_id = 5;
+      dest.reservation_token = (ProtobufCBinaryData){sizeof tok16, tok16};
       dest.n_block_ids = 2;
       dest.block_ids = blocks;
       dest.n_draft_block_ids = 2;
@@ -338,6 +341,7 @@ static bool build(int k, Pd__Envelope *env) {
       pd__kv_transfer_header__init(&kvh);
       kvh.request_id = "cmpl-1/0";
       kvh.reservation_id = 5;
+      kvh.reservation_token = (ProtobufCBinaryData){sizeof tok16, tok16};
       kvh.chunk_index = 3;
       kvh.draft = false;
       kvh.layer_begin = 2;
@@ -366,6 +370,7 @@ static bool build(int k, Pd__Envelope *env) {
       pd__kv_transfer_done__init(&kvd);
       kvd.request_id = "cmpl-1/0";
       kvd.reservation_id = 5;
+      kvd.reservation_token = (ProtobufCBinaryData){sizeof tok16, tok16};
       kvd.n_chunks = 4;
       kvd.total_bytes = 1 << 20;
       kvd.n_tokens = 22;
@@ -579,7 +584,7 @@ static char bad_utf8[] = {'a', (char)0xc3, (char)0x28, 0};
 static char overlong_utf8[] = {(char)0xc0, (char)0xaf, 0};
 static char surrogate_utf8[] = {(char)0xed, (char)0xa0, (char)0x80, 0};
 
-static void m_version(Pd__Envelope *env) { env->version = 2; }
+static void m_version(Pd__Envelope *env) { env->version = PD_PROTOCOL_VERSION - 1; }
 static void m_nobody(Pd__Envelope *env) { env->body_case = PD__ENVELOPE__BODY__NOT_SET; }
 static void m_bad_sender(Pd__Envelope *env) { env->sender = "prefill 0\n"; }
 static void m_prefill_token(Pd__Envelope *env) {
@@ -687,7 +692,19 @@ static void m_first_logprob(Pd__Envelope *env) { env->first_token->token_id = 12
 static void m_done_noreservation(Pd__Envelope *env) { env->kv_done->reservation_id = 0; }
 static void m_chunk_index(Pd__Envelope *env) { env->chunk->index = PD_SAMPLE_MAX_N; }
 static void m_chunk_usage(Pd__Envelope *env) { env->chunk->usage->cached_tokens = 20; }
-static void m_abort_code(Pd__Envelope *env) { env->abort->code = 11; }
+static void m_abort_code(Pd__Envelope *env) { env->abort->code = 12; }
+static void m_reply_notoken(Pd__Envelope *env) { env->reserve_reply->reservation_token.len = 0; }
+static void m_dest_shorttoken(Pd__Envelope *env) { env->prefill->dest->reservation_token.len = 15; }
+static void m_kv_notoken(Pd__Envelope *env) { env->kv_header->reservation_token.len = 0; }
+static void m_done_longtoken(Pd__Envelope *env) {
+  static uint8_t t[17];
+  env->kv_done->reservation_token = (ProtobufCBinaryData){sizeof t, t};
+}
+static void m_generate_long_key(Pd__Envelope *env) {
+  static char k[5000];
+  memset(k, 'k', sizeof k - 1);
+  env->generate->api_key = k;
+}
 static void m_ack_interval(Pd__Envelope *env) { env->register_ack->heartbeat_timeout_ms = 100; }
 
 typedef struct vcase {
@@ -749,6 +766,11 @@ static void test_validation(void) {
       {"error length", 17, m_error_long, PD_ERANGE},
       {"first token logprob", 11, m_first_logprob, PD_EINVAL},
       {"kv_done reservation", 13, m_done_noreservation, PD_EINVAL},
+      {"reserve_reply without a token", 9, m_reply_notoken, PD_EINVAL},
+      {"dest token of 15 bytes", 10, m_dest_shorttoken, PD_EINVAL},
+      {"kv_header without a token", 12, m_kv_notoken, PD_EINVAL},
+      {"kv_done token of 17 bytes", 13, m_done_longtoken, PD_EINVAL},
+      {"api key too long", 0, m_generate_long_key, PD_ERANGE},
       {"chunk index", 2, m_chunk_index, PD_ERANGE},
       {"chunk usage", 2, m_chunk_usage, PD_ERANGE},
       {"abort code", 16, m_abort_code, PD_EINVAL},
@@ -954,7 +976,37 @@ static void test_fuzz(void) {
   CHECK(ok_random < 4000);
 }
 
+/* Unguessable ids: random hex of 128 bits, all different; tokens compare by content; a refused
+ * API key is not echoed. */
+static void test_ids(void) {
+  pd_err e = {0};
+  char a[2 * PD_WIRE_TOKEN_BYTES + 1], b[2 * PD_WIRE_TOKEN_BYTES + 1];
+  CHECK(pd_wire_random_hex(a, &e) == PD_OK && pd_wire_random_hex(b, &e) == PD_OK);
+  CHECK(strlen(a) == 32 && strspn(a, "0123456789abcdef") == 32 && strcmp(a, b) != 0);
+  uint8_t t[PD_WIRE_TOKEN_BYTES], u[PD_WIRE_TOKEN_BYTES];
+  CHECK(pd_wire_random(t, sizeof t, &e) == PD_OK);
+  memcpy(u, t, sizeof u);
+  CHECK(pd_wire_token_eq((ProtobufCBinaryData){sizeof t, t}, u));
+  u[15] ^= 1;
+  CHECK(!pd_wire_token_eq((ProtobufCBinaryData){sizeof t, t}, u));
+  CHECK(!pd_wire_token_eq((ProtobufCBinaryData){15, t}, t));
+  CHECK(!pd_wire_token_eq((ProtobufCBinaryData){0, NULL}, t));
+  /* a generate request with an API key: valid; an oversized one refused without the key */
+  Pd__GenerateRequest g = PD__GENERATE_REQUEST__INIT;
+  g.prompt = "x";
+  g.api_key = "sk-secret-value";
+  pd_wire_limits l;
+  pd_wire_limits_init(&l);
+  CHECK(pd_wire_validate_generate(&g, &l, &e) == PD_OK);
+  static char big[5000];
+  memset(big, 'k', sizeof big - 1);
+  g.api_key = big;
+  CHECK(pd_wire_validate_generate(&g, &l, &e) == PD_ERANGE && !strstr(e.msg, "kkkk") &&
+        strstr(e.msg, "api_key"));
+}
+
 int main(void) {
+  test_ids();
   test_roundtrip();
   test_validation();
   test_nul_in_strings();

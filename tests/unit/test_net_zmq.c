@@ -8,7 +8,9 @@
  *   - ZMQ_MAXMSGSIZE drops a peer that sends a frame over the cap;
  *   - backpressure (PD_EFULL) and unknown peers (PD_ENOTFOUND) are distinct errors;
  *   - CURVE: the right server key connects; a wrong server key and a client not on the ZAP allow
- *     list get nothing; key files and environment variables. */
+ *     list get nothing, and the refusal is recorded (key, address, reason); messages carry the
+ *     sender's key (User-Id); an open ZAP domain admits any key; key files, keys on command
+ *     lines (Z85 or file) and environment variables. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -170,6 +172,8 @@ static void *node_thread(void *arg) {
   Pd__KvTransferHeader h = PD__KV_TRANSFER_HEADER__INIT;
   h.request_id = "cmpl-1";
   h.reservation_id = 9;
+  static uint8_t token[PD_WIRE_TOKEN_BYTES] = {1, 2, 3};
+  h.reservation_token = (ProtobufCBinaryData){sizeof token, token};
   h.layer_begin = 0;
   h.layer_end = L;
   h.head_begin = 0;
@@ -519,6 +523,19 @@ static void test_curve_keys(void) {
   memset(&kp2, 0, sizeof kp2);
   CHECK(pd_curve_keypair_load(pub, &kp2, &e) == PD_OK);
   CHECK(strcmp(kp2.public_z85, kp.public_z85) == 0 && kp2.secret_z85[0] == 0);
+  /* a key on a command line: Z85 text or a key file */
+  pd_curve_keypair a;
+  CHECK(pd_curve_key_arg(kp.public_z85, false, &a, &e) == PD_OK &&
+        !strcmp(a.public_z85, kp.public_z85) && !a.secret_z85[0]);
+  CHECK(pd_curve_key_arg(kp.secret_z85, true, &a, &e) == PD_OK &&
+        !strcmp(a.public_z85, kp.public_z85));
+  CHECK(pd_curve_key_arg(sec, true, &a, &e) == PD_OK && !strcmp(a.secret_z85, kp.secret_z85));
+  CHECK(pd_curve_key_arg(sec, false, &a, &e) == PD_OK &&
+        !strcmp(a.public_z85, kp.public_z85) && !a.secret_z85[0]); /* a secret file's public half */
+  CHECK(pd_curve_key_arg(pub, false, &a, &e) == PD_OK && !strcmp(a.public_z85, kp.public_z85));
+  CHECK(pd_curve_key_arg(pub, true, &a, &e) == PD_EFORMAT); /* no secret in a public file */
+  CHECK(pd_curve_key_arg("", false, &a, &e) == PD_EINVAL);
+  CHECK(pd_curve_key_arg("/nonexistent/x.key", false, &a, &e) == PD_EFORMAT); /* not Z85 either */
   /* A file whose public key does not match its secret key is refused. */
   pd_curve_keypair other;
   REQUIRE(pd_curve_keypair_generate(&other, &e) == PD_OK);
@@ -623,6 +640,10 @@ static void test_curve(void) {
   CHECKF(pd_net_recv(r, TIMEOUT_MS, &lim, &m, &got, &e) == PD_OK && got, "%s", e.msg);
   if (got && m.wire.env) {
     CHECK(m.wire.env->heartbeat->seq == 300); /* only the good client's message */
+    /* the ZAP handler names the sender: its public key comes with each of its messages */
+    uint8_t good_key[PD_CURVE_KEY_BYTES];
+    REQUIRE(pd_curve_key_parse(good.kp.public_z85, good_key, NULL, &e) == PD_OK);
+    CHECK(m.has_peer_key && memcmp(m.peer_key, good_key, sizeof good_key) == 0);
     Pd__HeartbeatAck ha = PD__HEARTBEAT_ACK__INIT;
     ha.seq = 300;
     Pd__Envelope env;
@@ -643,6 +664,42 @@ static void test_curve(void) {
    * machine: wait for it). */
   for (int i = 0; i < 500 && pd_curve_auth_denied(auth) == 0; i++) usleep(10000);
   CHECK(pd_curve_auth_denied(auth) >= 1);
+  /* and recorded it: the unlisted key, from 127.0.0.1, "key not allowed" */
+  pd_curve_denial d[8];
+  uint64_t lost = 99;
+  int nd = pd_curve_auth_take_denials(auth, d, 8, &lost);
+  CHECK(nd >= 1 && lost == 0);
+  bool seen = false;
+  for (int i = 0; i < nd; i++)
+    seen |= !strcmp(d[i].key_z85, not_allowed.kp.public_z85) && !strcmp(d[i].address, "127.0.0.1") &&
+            !strcmp(d[i].reason, "key not allowed");
+  CHECK(seen);
+  CHECK(pd_curve_auth_take_denials(auth, d, 8, &lost) == 0); /* taken */
+
+  /* An open domain (a second server socket of the context): any client key gets in, and its
+   * key still comes with its messages; the closed socket still refuses the same key. */
+  CHECK(pd_curve_auth_open_domain(auth, "", &e) == PD_EINVAL);
+  CHECK(pd_curve_auth_open_domain(auth, "client", &e) == PD_OK);
+  pd_net_sock_opts oo = o;
+  oo.zap_domain = "client";
+  void *open_r = pd_net_socket(ctx, &oo, &e);
+  REQUIRE(open_r);
+  char ep2[128];
+  REQUIRE(pd_net_bind(open_r, "tcp://127.0.0.1:*", ep2, sizeof ep2, &e) == PD_OK);
+  client anyone;
+  REQUIRE(pd_curve_keypair_generate(&anyone.kp, &e) == PD_OK);
+  curve_client(ctx, &anyone, ep2, server.public_z85);
+  send_heartbeat(anyone.s, 400);
+  got = false;
+  CHECKF(pd_net_recv(open_r, TIMEOUT_MS, &lim, &m, &got, &e) == PD_OK && got, "%s", e.msg);
+  if (got && m.wire.env) {
+    uint8_t k[PD_CURVE_KEY_BYTES];
+    REQUIRE(pd_curve_key_parse(anyone.kp.public_z85, k, NULL, &e) == PD_OK);
+    CHECK(m.wire.env->heartbeat->seq == 400 && m.has_peer_key &&
+          memcmp(m.peer_key, k, sizeof k) == 0);
+  }
+  pd_net_close(anyone.s);
+  pd_net_close(open_r);
 
   pd_net_msg_clear(&m);
   pd_net_close(good.s);

@@ -19,7 +19,8 @@
  * timeout.
  *
  * Security: with server_public_key set the connection uses CURVE (the router's client-port
- * key); the client's own keypair is client_keys or, when NULL, a fresh random one.
+ * key); the client's own keypair is client_keys or, when NULL, a fresh random one. A router
+ * with an API key refuses requests without it (finish ERROR, error UNAUTHORIZED): api_key.
  *
  * Thread-safety: a pd_client belongs to one thread at a time (libzmq sockets are not
  * thread-safe). Several requests may be in flight on one client; chunks carry their
@@ -47,6 +48,8 @@ typedef struct pd_client_opts {
                                     <= 0: wait forever */
   const char *server_public_key; /* router client-port CURVE key (Z85); NULL: plain ZMTP */
   const pd_curve_keypair *client_keys; /* own CURVE keypair; NULL: a random one */
+  const char *api_key;           /* the router's API key, sent with every request that has none
+                                    of its own (GenerateRequest.api_key); NULL: none. Copied */
   const char *name;              /* Envelope.sender for the router's logs. Default "pdclient" */
 } pd_client_opts;
 

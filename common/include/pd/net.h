@@ -71,6 +71,11 @@ pd_status pd_curve_keypair_save(const char *path, const pd_curve_keypair *kp, bo
  * when secret is true, else a public key (secret_z85 left ""). PD_ENOTFOUND when unset. */
 pd_status pd_curve_keypair_from_env(const char *name, bool secret, pd_curve_keypair *kp,
                                     pd_err *e);
+/* A key given on a command line as Z85 text or as the path of a key file (a certificate as
+ * pd_curve_keypair_load reads it): with secret, a keypair (the file must hold the secret key);
+ * without, a public key (secret_z85 left ""; a secret file's public half). A file is tried
+ * first when arg names one. */
+pd_status pd_curve_key_arg(const char *arg, bool secret, pd_curve_keypair *kp, pd_err *e);
 
 /* CURVE roles on a socket, before bind/connect. A server needs its own secret key; a client
  * needs its own keypair and the server's public key (a wrong one: the handshake fails and the
@@ -82,13 +87,37 @@ pd_status pd_curve_client_setup(void *sock, const pd_curve_keypair *client,
 /* Client authentication for CURVE servers: a ZAP handler (RFC 27) on a thread of its own that
  * admits only listed client public keys. It serves every CURVE server socket of ctx; start it
  * before those sockets bind. Without one, any client that knows the server's public key is
- * admitted (traffic is still encrypted). */
+ * admitted (traffic is still encrypted).
+ *
+ * Domains: a server socket's ZAP domain (pd_net_sock_opts.zap_domain, ZMQ_ZAP_DOMAIN) picks the
+ * policy. Handshakes in an open domain (pd_curve_auth_open_domain) are admitted whatever the
+ * client's key (a port whose clients prove themselves otherwise, e.g. with an API key); in any
+ * other domain only allow-listed keys are. Handshakes of other mechanisms (a plain client of a
+ * CURVE server never gets this far; NULL-mechanism sockets with a domain) are refused.
+ *
+ * The client's identity: every admitted handshake's User-Id is the client's public key in Z85,
+ * so each message received from that connection carries it (zmq_msg_gets "User-Id";
+ * pd_net_recv puts it in pd_net_msg.peer_key). */
 typedef struct pd_curve_auth pd_curve_auth;
 pd_curve_auth *pd_curve_auth_start(void *ctx, pd_err *e);
 /* Adds a client public key (Z85) to the allow list; thread-safe with the handler. */
 pd_status pd_curve_auth_allow(pd_curve_auth *a, const char *client_public_z85, pd_err *e);
+/* Admits every client key in ZAP domain domain (1..31 bytes; at most 8 open domains). */
+pd_status pd_curve_auth_open_domain(pd_curve_auth *a, const char *domain, pd_err *e);
 /* Handshakes refused so far (for tests and metrics). */
 uint64_t pd_curve_auth_denied(pd_curve_auth *a);
+/* A refused handshake, as the handler saw it. */
+typedef struct pd_curve_denial {
+  char domain[32];                   /* the server socket's ZAP domain ("" if none) */
+  char address[64];                  /* the client's IP address */
+  char key_z85[PD_CURVE_Z85_LEN + 1]; /* its public key ("" when it offered none) */
+  const char *reason;                /* static text: "key not allowed", ... */
+} pd_curve_denial;
+/* Takes up to max refused handshakes (oldest first) from the handler's record of the latest
+ * ones (it keeps 64; older ones are only counted: *dropped, may be NULL, gets how many were
+ * lost since the last call). Returns how many were written to out. Thread-safe. */
+int pd_curve_auth_take_denials(pd_curve_auth *a, pd_curve_denial *out, int max,
+                               uint64_t *dropped);
 /* Stops the thread and unbinds; NULL is a no-op. Call before closing ctx. */
 void pd_curve_auth_stop(pd_curve_auth *a);
 
@@ -127,6 +156,8 @@ typedef struct pd_net_sock_opts {
   const pd_curve_keypair *curve_keys;
   bool curve_server;
   const char *curve_server_key; /* server's public key, Z85 */
+  const char *zap_domain;       /* CURVE server: its ZAP domain (pd_curve_auth policies); NULL:
+                                   none */
 } pd_net_sock_opts;
 
 void pd_net_sock_opts_init(pd_net_sock_opts *o, int type);
@@ -173,6 +204,9 @@ pd_status pd_net_send_error(void *sock, const void *rid, size_t rid_len, Pd__Err
 typedef struct pd_net_msg {
   uint8_t routing_id[PD_NET_ROUTING_ID_MAX]; /* ROUTER sockets: the sender */
   size_t routing_id_len;                      /* 0 on other socket types */
+  uint8_t peer_key[PD_CURVE_KEY_BYTES];       /* the sender's CURVE public key, as the ZAP
+                                                 handler admitted it (User-Id) */
+  bool has_peer_key;                          /* false without CURVE or without a handler */
   pd_wire_msg wire;                           /* wire.env: the decoded, validated Envelope */
   int n_payload;
   const void **payload;  /* [n_payload]; valid until the next recv into or clear of this msg */

@@ -38,6 +38,17 @@ typedef struct pd_opt {
 pd_status pd_opts_parse(const pd_opt *opts, int argc, char **argv, int first, pd_err *e);
 void pd_opts_usage(FILE *f, const pd_opt *opts);
 
+/* Secrets (an API key) stay off command lines: a program takes --NAME VALUE (or PD_NAME in its
+ * environment, which other users cannot read) and --NAME-file FILE. pd_secret_opt resolves such
+ * a pair: at most one may be given (PD_ERANGE otherwise); *out is a malloc'ed copy of the
+ * secret, or NULL when neither is given. A file holds the secret on its first line (the line
+ * end and surrounding blanks are dropped); a secret is 1..4096 bytes of printable ASCII without
+ * spaces. Error messages name the flag or the file, never the secret. */
+pd_status pd_secret_opt(const char *name, const char *value, const char *file, char **out,
+                        pd_err *e);
+/* Overwrites and frees a secret from pd_secret_opt (NULL: no-op). */
+void pd_secret_free(char *s);
+
 #ifdef __cplusplus
 }
 #endif

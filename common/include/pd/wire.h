@@ -40,9 +40,10 @@
 extern "C" {
 #endif
 
-#define PD_PROTOCOL_VERSION 1 /* = pd.PROTOCOL_VERSION_CURRENT */
+#define PD_PROTOCOL_VERSION 2 /* = pd.PROTOCOL_VERSION_CURRENT */
 #define PD_WIRE_ID_CAP (1 << 30) /* hard cap on any token or block id, whatever the limits */
 #define PD_WIRE_ID_MAX_BYTES 128 /* request_id, node_id: 1..128 bytes of [A-Za-z0-9._:/@+-] */
+#define PD_WIRE_TOKEN_BYTES 16   /* a reservation token: 128 random bits */
 
 typedef struct pd_wire_limits {
   /* ---- sizes enforced before unpacking ---- */
@@ -159,6 +160,18 @@ pd_status pd_wire_validate_error(const Pd__Error *m, const pd_wire_limits *l, pd
 
 /* An id as the protocol allows (1..PD_WIRE_ID_MAX_BYTES of [A-Za-z0-9._:/@+-]). */
 bool pd_wire_id_ok(const char *s);
+
+/* ---- unguessable ids (docs/protocol.md, "Ids") ---- */
+
+/* n bytes from the kernel's CSPRNG (getrandom; interrupted calls are resumed). PD_EIO when the
+ * kernel has none to give. */
+pd_status pd_wire_random(void *buf, size_t n, pd_err *e);
+/* 128 random bits as 32 lowercase hex digits and a NUL (out: 33 bytes): a request id or part of
+ * one that nobody else can guess. */
+pd_status pd_wire_random_hex(char out[2 * PD_WIRE_TOKEN_BYTES + 1], pd_err *e);
+/* Whether a and b hold the same PD_WIRE_TOKEN_BYTES bytes, in time that does not depend on
+ * where they differ; false when either is not a token's length. */
+bool pd_wire_token_eq(ProtobufCBinaryData a, const uint8_t b[PD_WIRE_TOKEN_BYTES]);
 
 /* ---- conversions ---- */
 
