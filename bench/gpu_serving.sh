@@ -16,7 +16,7 @@
 # Environment: MODEL (a model folder; default: `pdctl make-model --like llama3-8b` into
 # /tmp/pdserve-llama3-8b), PROMPTS (512), INPUT_LEN (128), OUTPUT_LEN (128), NODE_ARGS (options
 # for every node, after `--` of `pdctl cluster up`, e.g. "--kv-crc-threads 1").
-# docs/benchmarks.md ("Serving") has the figures of this recipe on H200s.
+# docs/benchmarks.md ("Serving on GPUs") has the figures of this recipe.
 set -u
 . "$(dirname "$0")/bundle_tree.sh"
 D=${1:?usage: gpu_serving.sh BUNDLE_DIR [two | one | cpu] [CONCURRENCY ...]}
