@@ -303,7 +303,7 @@ static void on_reserve(const Pd__Reserve *m) {
   pd_sched_req sr = {.id = r->sid, .prompt = m->prompt_token_ids, .n_prompt = r->n_prompt,
                      .generated = m->generated_token_ids, .n_generated = r->n_gen_base,
                      .params = &p, .sample_index = m->sample_index,
-                     .cache_salt = pd_node_cache_salt(m->cache_salt)};
+                     .cache_salt = pd_kv_cache_salt(m->cache_salt)};
   pd_status st = pd_sched_reserve(n->rt.sched, &sr, r->blocks, cap, &r->nb, &e);
   if (st == PD_OK && r->nb != cap) {
     pd_sched_abort(n->rt.sched, r->sid);

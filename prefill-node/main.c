@@ -532,7 +532,7 @@ static void on_prefill(const Pd__Prefill *m) {
   pd_sched_req sr = {.id = r->sid, .prompt = m->prompt_token_ids, .n_prompt = r->n_prompt,
                      .generated = m->generated_token_ids, .n_generated = r->n_gen,
                      .params = &p, .sample_index = m->sample_index,
-                     .cache_salt = pd_node_cache_salt(m->cache_salt)};
+                     .cache_salt = pd_kv_cache_salt(m->cache_salt)};
   pd_status st = pd_sched_add_req(n->rt.sched, &sr, &e);
   free(bias);
   if (st != PD_OK) {

@@ -136,11 +136,6 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
 
 /* ---- helpers ---- */
 
-uint64_t pd_node_cache_salt(const char *s) {
-  if (!s || !*s) return 0;
-  uint64_t h = pd_kv_hash_root(s, strlen(s), 0);
-  return h ? h : 1;
-}
 
 void pd_node_geometry(const pd_node *n, Pd__KvGeometry *g) {
   pd__kv_geometry__init(g);

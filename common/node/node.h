@@ -300,8 +300,6 @@ pd_status pd_node_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids
  * asked again per message). Grows (a new buffer, then host_free of the old) in whole MiB; the
  * contents are not kept. Loop thread only. */
 void *pd_node_kv_rx_buf(pd_node *n, size_t len);
-/* Cache-salt string -> 64-bit salt (0 for ""). */
-uint64_t pd_node_cache_salt(const char *s);
 
 /* Process-wide malloc settings for a node (call once at start, before threads): KV frames
  * (malloc'ed by the prefill loop when not from its page-locked pool, kv_frames, and freed by
