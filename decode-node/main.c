@@ -733,7 +733,7 @@ int main(int argc, char **argv) {
   pd_log(PD_LOG_INFO,
          "decode node %s: model %s (%d blocks of %d tokens), KV port %s, router %s, metrics %d",
          n->node_id, n->model_name, n->pages.num_blocks, n->pages.block_size, n->kv_endpoint,
-         o.router_ep, pd_statsd_port(n->statsd));
+         o.router_ep, pd_metrics_server_port(n->metrics_srv));
 
   /* A step is begun (scheduled, its forward pass queued on the device), the sockets are read
    * while the device computes (requests, aborts, KV pages), and the step is ended (waited for,

@@ -668,7 +668,7 @@ int main(int argc, char **argv) {
                                      "kind=\"kv_transfer\"");
   pd_log(PD_LOG_INFO, "prefill node %s: model %s (%d blocks of %d tokens), router %s, metrics %d",
          n->node_id, n->model_name, n->pages.num_blocks, n->pages.block_size, o.router_ep,
-         pd_statsd_port(n->statsd));
+         pd_metrics_server_port(n->metrics_srv));
 
   if (n->kv_frames)
     pd_log(PD_LOG_INFO, "KV frames in page-locked memory (up to %d MiB)", o.kv_pinned_mb);
