@@ -120,7 +120,7 @@ int cmd_bench_model(int argc, char **argv) {
   const char *model = NULL, *batches = "1";
   int prompt_len = 512, gen = 128, repeat = 3;
   bool json = false, help = false;
-  pd_opt opts[32] = {
+  pd_opt opts[64] = {
       {"model", PD_OPT_STR, &model, "DIR", "model folder", NULL},
       {"batch", PD_OPT_STR, &batches, "B[,B...]", "concurrent sequences (default 1)", NULL},
       {"prompt-len", PD_OPT_INT, &prompt_len, "N", "prompt tokens per sequence (512)", NULL},
@@ -129,7 +129,9 @@ int cmd_bench_model(int argc, char **argv) {
       {"json", PD_OPT_BOOL, &json, NULL, "print JSON", NULL},
       {"help", PD_OPT_BOOL, &help, NULL, "show this help", NULL},
   };
-  if (pd_runtime_opts_table(&ro, opts + 7, 32 - 7) < 0) return pdctl_fail("option table");
+  int n0 = 0;
+  while (opts[n0].name) n0++;
+  if (pd_runtime_opts_table(&ro, opts + n0, 64 - n0) < 0) return pdctl_fail("option table");
   pd_err e = {0};
   if (pd_opts_parse(opts, argc, argv, 2, &e) != PD_OK) return pdctl_fail("%s", e.msg);
   if (help) {

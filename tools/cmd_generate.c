@@ -135,7 +135,7 @@ int cmd_generate(int argc, char **argv) {
   gen_args a = {.max_tokens = 256, .temperature = 1.0, .top_p = 1.0, .top_k = 0};
   pd_runtime_opts ro;
   pd_runtime_opts_default(&ro);
-  pd_opt opts[48] = {
+  pd_opt opts[64] = {
       {"model", PD_OPT_STR, &a.model, "DIR", "Hugging Face model folder", NULL},
       {"prompt", PD_OPT_STR, &a.prompt, "TEXT", "prompt text (no special tokens added)", NULL},
       {"prompt-ids", PD_OPT_STR, &a.prompt_ids, "IDS", "prompt as comma-separated token ids",
@@ -153,8 +153,9 @@ int cmd_generate(int argc, char **argv) {
        "write the last prompt position's logits (float32 LE)", NULL},
       {"help", PD_OPT_BOOL, &a.help, NULL, "show this help", NULL},
   };
-  const int n0 = 14;
-  if (pd_runtime_opts_table(&ro, opts + n0, 48 - n0) < 0) return pdctl_fail("option table");
+  int n0 = 0;
+  while (opts[n0].name) n0++;
+  if (pd_runtime_opts_table(&ro, opts + n0, 64 - n0) < 0) return pdctl_fail("option table");
   pd_err e = {0};
   if (pd_opts_parse(opts, argc, argv, 2, &e) != PD_OK) return pdctl_fail("%s", e.msg);
   if (a.help) {

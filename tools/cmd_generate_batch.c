@@ -165,7 +165,7 @@ int cmd_generate_batch(int argc, char **argv) {
   const char *input = NULL, *output = NULL, *model = NULL;
   bool help = false, quiet = false;
   int default_max = 256;
-  pd_opt opts[32] = {
+  pd_opt opts[64] = {
       {"model", PD_OPT_STR, &model, "DIR", "Hugging Face model folder", NULL},
       {"input", PD_OPT_STR, &input, "FILE", "requests, one JSON object per line", NULL},
       {"output", PD_OPT_STR, &output, "FILE", "results, one JSON object per line (- = stdout)",
@@ -174,8 +174,9 @@ int cmd_generate_batch(int argc, char **argv) {
       {"quiet", PD_OPT_BOOL, &quiet, NULL, "no progress bar", NULL},
       {"help", PD_OPT_BOOL, &help, NULL, "show this help", NULL},
   };
-  int n0 = 6;
-  if (pd_runtime_opts_table(&ro, opts + n0, 32 - n0) < 0) return pdctl_fail("option table");
+  int n0 = 0;
+  while (opts[n0].name) n0++;
+  if (pd_runtime_opts_table(&ro, opts + n0, 64 - n0) < 0) return pdctl_fail("option table");
   pd_err e = {0};
   if (pd_opts_parse(opts, argc, argv, 2, &e) != PD_OK) return pdctl_fail("%s", e.msg);
   if (help) {

@@ -1,12 +1,15 @@
 /* Forward pass of Llama-family decoders over the backend ops table.
  *
  * Per layer, for the M tokens of a ragged batch (D = hidden, F = ffn):
- *   xn = rmsnorm(x)                       (fused with the residual add of the previous layer)
- *   q, k, v = xn·Wq^T (+bq), xn·Wk^T (+bk), xn·Wv^T (+bv)
- *   rope(q, k); kv_write(k, v -> slots); a = paged_attention(q)
- *   r = a·Wo^T;  x += r;  xn = rmsnorm(x)
- *   gu = xn·[Wgate;Wup]^T;  h = silu(g)*u;  r = h·Wdown^T;  (x += r in the next norm)
- * then the final norm and the LM head only on the rows whose logits are asked for. */
+ *   a = rmsnorm(x)                        (the previous op's epilogue, or embed_norm)
+ *   qkv = a·Wqkv^T (+b); rope(q, k); kv_write(k, v -> slots); o = paged_attention(q)
+ *                                         (one qkv_attention op)
+ *   x += o·Wo^T;  a = rmsnorm(x)          (linear, residual epilogue)
+ *   h = silu(a·Wgate^T) * (a·Wup^T)       (linear, GLU epilogue)
+ *   x += h·Wdown^T;  a = rmsnorm(x)       (linear, residual epilogue; the next layer's norm)
+ * then the final norm and the LM head only on the rows whose logits are asked for. Four op calls
+ * a layer, on every backend (pd/backend.h, "the layer ops"); what one op hands the next (a) is
+ * an act in the backend's own form, in buffers the engine owns. */
 #include "pd/engine.h"
 
 #include <math.h>
@@ -16,12 +19,11 @@
 
 typedef struct eng_layer {
   float *attn_norm, *ffn_norm; /* [D] f32 */
-  float *bq, *bk, *bv, *bo;    /* f32 or NULL */
+  float *bo;                   /* f32 or NULL */
   float *bgu, *bdown;          /* f32 or NULL; bgu = [b_gate; b_up] */
+  float *bqkv;                 /* [bq; bk; bv] (zeros where absent) or NULL */
   int window;                  /* sliding window of this layer, 0 = none */
-  const void *wq, *wk, *wv, *wo, *wgu, *wdown;
-  const void *wqkv; /* [wq; wk; wv] when the backend fuses RoPE with the KV write, else NULL */
-  float *bqkv;      /* [bq; bk; bv] (zeros where absent) or NULL */
+  pd_wdesc wqkv, wo, wgu, wdown; /* wqkv = [wq; wk; wv], wgu = [w_gate; w_up] */
   pd_kv_layer kv;
 } eng_layer;
 
@@ -57,10 +59,12 @@ struct pd_engine {
   /* Everything the engine allocated on the backend, freed at the end. */
   void **owned;
   int n_owned, cap_owned;
-  /* activations [max_batch_tokens, ...] */
-  float *x, *xn, *q, *k, *v, *attn, *gu, *act, *sel, *logits;
-  float *xg; /* [T, D]: the RMSNorm hand-off of matmul_fused (NULL without it) */
-  float *qkv; /* [T, qd + 2 kd] with fused QKV */
+  pd_wdesc lm_head_w;
+  /* activations [max_batch_tokens, ...]: the residual stream x, the QKV rows and q (scratch of
+   * qkv_attention), the scratch of the linears, the rows the LM head reads, the logits, and the
+   * two acts that carry each op's output to the next */
+  float *x, *qkv, *q, *scratch, *sel, *logits;
+  pd_act act[2];
   /* metadata on the backend: `dm` is what the ops of a run read; eager runs point it at
    * buffers of their own (`dm_eager`), graph replays into one packed area (d_gmeta) laid out as
    * h_meta, so that a replay's metadata is a single upload */
@@ -236,6 +240,11 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
                pd_dtype_name(g->o.kv_dtype));
     goto fail;
   }
+  if (!be->ops.act_bytes || !be->ops.embed_norm || !be->ops.norm || !be->ops.linear ||
+      !be->ops.qkv_attention) {
+    pd_err_set(e, PD_EUNSUPPORTED, "backend %s has no layer ops", be->ops.name);
+    goto fail;
+  }
   g->D = c->hidden_size;
   g->F = c->intermediate_size;
   g->nq = c->num_heads;
@@ -247,6 +256,7 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
   /* weights */
   g->tok_emb = place_weight(g, &m->tok_embeddings, NULL, e);
   g->lm_head = place_weight(g, &m->lm_head, NULL, e);
+  g->lm_head_w = (pd_wdesc){m->lm_head.dtype, g->lm_head, g->V, g->D};
   g->final_norm = upload_f32(g, &m->final_norm, e);
   if (!g->tok_emb || !g->lm_head || !g->final_norm) goto fail;
   g->layers = calloc((size_t)c->num_layers, sizeof *g->layers);
@@ -262,9 +272,6 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
     L->attn_norm = upload_f32(g, &w->attn_norm, e);
     L->ffn_norm = upload_f32(g, &w->ffn_norm, e);
     if (!L->attn_norm || !L->ffn_norm) goto fail;
-    if (w->bq.data && !(L->bq = upload_f32(g, &w->bq, e))) goto fail;
-    if (w->bk.data && !(L->bk = upload_f32(g, &w->bk, e))) goto fail;
-    if (w->bv.data && !(L->bv = upload_f32(g, &w->bv, e))) goto fail;
     if (w->bo.data && !(L->bo = upload_f32(g, &w->bo, e))) goto fail;
     if (w->b_down.data && !(L->bdown = upload_f32(g, &w->b_down, e))) goto fail;
     if (w->b_gate.data && !(L->bgu = upload_f32_pair(g, &w->b_gate, &w->b_up, e))) goto fail;
@@ -273,25 +280,22 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
       pd_err_set(e, PD_EUNSUPPORTED, "layer %d: gate and up projections differ in dtype", l);
       goto fail;
     }
-    const bool fuse = be->ops.rope_kv_write && w->wq.dtype == w->wk.dtype &&
-                      w->wq.dtype == w->wv.dtype;
-    if (fuse) {
-      const pd_weight *qkv[3] = {&w->wq, &w->wk, &w->wv};
-      L->wqkv = place_weights(g, qkv, 3, e);
-      if (!L->wqkv) goto fail;
-      if ((w->bq.data || w->bk.data || w->bv.data) &&
-          !(L->bqkv = upload_qkv_bias(g, w, g->nq * g->hd, g->nkv * g->hd, e)))
-        goto fail;
-    } else {
-      L->wq = place_weight(g, &w->wq, NULL, e);
-      L->wk = place_weight(g, &w->wk, NULL, e);
-      L->wv = place_weight(g, &w->wv, NULL, e);
-      if (!L->wq || !L->wk || !L->wv) goto fail;
+    if (w->wq.dtype != w->wk.dtype || w->wq.dtype != w->wv.dtype) {
+      pd_err_set(e, PD_EUNSUPPORTED, "layer %d: q, k and v projections differ in dtype", l);
+      goto fail;
     }
-    L->wo = place_weight(g, &w->wo, NULL, e);
-    L->wgu = place_weight(g, &w->w_gate, &w->w_up, e);
-    L->wdown = place_weight(g, &w->w_down, NULL, e);
-    if (!L->wo || !L->wgu || !L->wdown) goto fail;
+    const pd_weight *qkv[3] = {&w->wq, &w->wk, &w->wv};
+    const int qd = g->nq * g->hd, kd = g->nkv * g->hd;
+    L->wqkv = (pd_wdesc){w->wq.dtype, place_weights(g, qkv, 3, e), qd + 2 * kd, g->D};
+    if (!L->wqkv.data) goto fail;
+    if ((w->bq.data || w->bk.data || w->bv.data) &&
+        !(L->bqkv = upload_qkv_bias(g, w, qd, kd, e)))
+      goto fail;
+    L->wo = (pd_wdesc){w->wo.dtype, place_weight(g, &w->wo, NULL, e), g->D, qd};
+    L->wgu = (pd_wdesc){w->w_gate.dtype, place_weight(g, &w->w_gate, &w->w_up, e), 2 * g->F,
+                        g->D};
+    L->wdown = (pd_wdesc){w->w_down.dtype, place_weight(g, &w->w_down, NULL, e), g->D, g->F};
+    if (!L->wo.data || !L->wgu.data || !L->wdown.data) goto fail;
     L->kv.k = eng_alloc(g, kv_bytes, e);
     L->kv.v = eng_alloc(g, kv_bytes, e);
     if (!L->kv.k || !L->kv.v) goto fail;
@@ -315,18 +319,20 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
 #define ALLOC_F(ptr, n) \
   if (!((ptr) = eng_alloc(g, (n) * sizeof(float), e))) goto fail
   ALLOC_F(g->x, T * g->D);
-  ALLOC_F(g->xn, T * g->D);
-  if (g->be->ops.matmul_fused) ALLOC_F(g->xg, T * g->D);
   ALLOC_F(g->q, T * qd);
-  ALLOC_F(g->k, T * kd);
-  ALLOC_F(g->v, T * kd);
-  ALLOC_F(g->attn, T * qd);
-  ALLOC_F(g->gu, T * 2 * (size_t)g->F);
-  ALLOC_F(g->act, T * (size_t)g->F);
+  ALLOC_F(g->qkv, T * (qd + 2 * kd));
+  const size_t scr = 2 * (size_t)g->F > (size_t)g->D ? 2 * (size_t)g->F : (size_t)g->D;
+  ALLOC_F(g->scratch, T * scr);
   ALLOC_F(g->sel, T * g->D);
   ALLOC_F(g->logits, T * (size_t)g->V);
-  if (g->layers[0].wqkv) ALLOC_F(g->qkv, T * (qd + 2 * kd));
 #undef ALLOC_F
+  /* the acts: the largest K an op hands on is D (norms), F (the GLU) or qd (the attention) */
+  int kmax = g->D > g->F ? g->D : g->F;
+  if ((int)qd > kmax) kmax = (int)qd;
+  for (int i = 0; i < 2; i++) {
+    g->act[i].data = eng_alloc(g, be->ops.act_bytes(be, (int)T, kmax), e);
+    if (!g->act[i].data) goto fail;
+  }
 #define ALLOC_I(ptr, n) \
   if (!((ptr) = eng_alloc(g, (n) * sizeof(int32_t), e))) goto fail
   ALLOC_I(g->dm_eager.tokens, T);
@@ -446,148 +452,54 @@ static pd_status validate_sampling(const pd_engine *g, const pd_batch *b, pd_err
   return PD_OK;
 }
 
-/* Q, K, V from the normalised rows in xn as three matmuls, then RoPE and the cache write (layers
- * whose projections could not be concatenated). */
-static void qkv_separate(pd_engine *g, const eng_layer *L, const pd_layer_weights *W, int M) {
-  pd_backend *be = g->be;
-  const int D = g->D, hd = g->hd, qd = g->nq * hd, kd = g->nkv * hd;
-  be->ops.matmul(be, g->q, g->xn, L->wq, W->wq.dtype, L->bq, M, qd, D);
-  be->ops.matmul(be, g->k, g->xn, L->wk, W->wk.dtype, L->bk, M, kd, D);
-  be->ops.matmul(be, g->v, g->xn, L->wv, W->wv.dtype, L->bv, M, kd, D);
-  be->ops.rope(be, g->q, g->k, g->dm.pos, g->inv_freq, M, g->nq, g->nkv, hd);
-  be->ops.kv_write(be, &L->kv, &g->kvs, g->k, g->v, g->dm.slots, M);
-}
-
-/* run_model on a backend with matmul_fused: each residual add rides in the matmul that produces
- * it, each RMSNorm in the matmul after it (with the hand-off of pd_mm_fused from the matmul
- * before), RoPE and the cache write in the QKV matmul: a decode layer is four matmuls and the
- * attention. */
-static void run_model_fused(pd_engine *g, int M, int n_seqs, int max_blocks, int max_ctx,
-                            int n_logits, bool all_rows) {
-  pd_backend *be = g->be;
-  const pd_model_config *c = &g->m->cfg;
-  const int D = g->D, F = g->F, hd = g->hd;
-  const int qd = g->nq * hd, kd = g->nkv * hd;
-  /* the attention's output is the o projection's input only */
-  pd_attn_batch ab = {n_seqs, M, g->dm.qstart, g->dm.ctx, g->dm.bt, max_blocks, max_ctx, true};
-  const float scale = 1.0f / sqrtf((float)hd);
-  const float eps = (float)c->rms_norm_eps;
-
-  if (be->ops.embed_fused && c->num_layers > 0 && g->layers[0].wqkv) /* with layer 0's norm */
-    be->ops.embed_fused(be, g->x, g->tok_emb, g->m->tok_embeddings.dtype, g->dm.tokens, M, D,
-                        g->layers[0].attn_norm, g->xg);
-  else
-    be->ops.embed(be, g->x, g->tok_emb, g->m->tok_embeddings.dtype, g->dm.tokens, M, D);
-  for (int l = 0; l < c->num_layers; l++) {
-    const eng_layer *L = &g->layers[l];
-    const pd_layer_weights *W = &g->m->layers[l];
-    if (L->wqkv) {
-      const pd_mm_fused qkv = {.y = g->qkv, .x = g->x, .w = L->wqkv, .wdt = W->wq.dtype,
-                               .bias = L->bqkv, .M = M, .N = qd + 2 * kd, .K = D,
-                               .norm_w = L->attn_norm, .eps = eps, .xn = g->xn, .xg = g->xg,
-                               .epilogue = PD_MM_ROPE_KV, .q_out = g->q, .pos = g->dm.pos,
-                               .inv_freq = g->inv_freq, .kv = &L->kv, .shape = &g->kvs,
-                               .slots = g->dm.slots, .n_q_heads = g->nq, .attn_next = true};
-      be->ops.matmul_fused(be, &qkv);
-    } else {
-      be->ops.rmsnorm(be, g->xn, g->x, L->attn_norm, eps, M, D);
-      qkv_separate(g, L, W, M);
-    }
-    be->ops.attention(be, g->attn, g->q, &L->kv, &g->kvs, &ab, g->nq, scale, L->window);
-    const pd_mm_fused o = {.y = g->x, .x = g->attn, .w = L->wo, .wdt = W->wo.dtype, .bias = L->bo,
-                           .M = M, .N = D, .K = qd, .epilogue = PD_MM_ACCUMULATE,
-                           .norm_next = L->ffn_norm, .eps = eps, .xg = g->xg};
-    be->ops.matmul_fused(be, &o);
-    const pd_mm_fused gu = {.y = g->act, .x = g->x, .w = L->wgu, .wdt = W->w_gate.dtype,
-                            .bias = L->bgu, .M = M, .N = 2 * F, .K = D, .norm_w = L->ffn_norm,
-                            .eps = eps, .xn = g->xn, .epilogue = PD_MM_GLU, .gu = g->gu,
-                            .y_scratch = true, .xg = g->xg};
-    be->ops.matmul_fused(be, &gu);
-    /* the last layer's down projection hands the final norm to the LM head when that reads
-     * every row */
-    const float *norm_next = l + 1 < c->num_layers ? g->layers[l + 1].attn_norm
-                             : all_rows            ? g->final_norm
-                                                   : NULL;
-    const pd_mm_fused down = {
-        .y = g->x, .x = g->act, .w = L->wdown, .wdt = W->w_down.dtype, .bias = L->bdown,
-        .M = M, .N = D, .K = F, .epilogue = PD_MM_ACCUMULATE, .norm_next = norm_next,
-        .eps = eps, .xg = g->xg};
-    be->ops.matmul_fused(be, &down);
-  }
-  if (all_rows) {
-    /* decode: the LM head over x itself, its norm from the down projection's hand-off (no
-     * row gather, no norm kernel) */
-    const pd_mm_fused head = {.y = g->logits, .x = g->x, .w = g->lm_head,
-                              .wdt = g->m->lm_head.dtype, .M = M, .N = g->V, .K = D,
-                              .norm_w = g->final_norm, .eps = eps, .xn = g->xn,
-                              .epilogue = PD_MM_STORE, .xg = g->xg};
-    be->ops.matmul_fused(be, &head);
-  } else if (n_logits > 0) {
-    /* final norm and LM head only on the rows asked for */
-    be->ops.get_rows(be, g->xn, g->x, g->dm.rows, n_logits, D);
-    const pd_mm_fused head = {.y = g->logits, .x = g->xn, .w = g->lm_head,
-                              .wdt = g->m->lm_head.dtype, .M = n_logits, .N = g->V, .K = D,
-                              .norm_w = g->final_norm, .eps = eps, .xn = g->xn,
-                              .epilogue = PD_MM_STORE};
-    be->ops.matmul_fused(be, &head);
-  }
-}
-
 /* The layers, the final norm and the LM head over the metadata already on the backend.
  * all_rows: the logits rows are every row of the batch in order (n_logits == M, row i = i), as
- * in decode steps. */
+ * in decode steps: the last layer's residual linear then norms for the LM head itself. */
 static void run_model(pd_engine *g, int M, int n_seqs, int max_blocks, int max_ctx,
                       int n_logits, bool all_rows) {
   pd_backend *be = g->be;
-  if (be->ops.matmul_fused) {
-    run_model_fused(g, M, n_seqs, max_blocks, max_ctx, n_logits, all_rows);
-    return;
-  }
   const pd_model_config *c = &g->m->cfg;
-  const int D = g->D, F = g->F, hd = g->hd;
-  const int qd = g->nq * hd, kd = g->nkv * hd;
-  pd_attn_batch ab = {n_seqs, M, g->dm.qstart, g->dm.ctx, g->dm.bt, max_blocks, max_ctx, false};
-  const float scale = 1.0f / sqrtf((float)hd);
+  const int D = g->D;
+  const pd_attn_batch ab = {n_seqs, M, g->dm.qstart, g->dm.ctx, g->dm.bt, max_blocks, max_ctx};
+  const float scale = 1.0f / sqrtf((float)g->hd);
   const float eps = (float)c->rms_norm_eps;
+  pd_act *a = &g->act[0], *h = &g->act[1]; /* a: normed rows; h: attention / GLU output */
+  const bool head_now = all_rows && n_logits > 0;
 
-  be->ops.embed(be, g->x, g->tok_emb, g->m->tok_embeddings.dtype, g->dm.tokens, M, D);
+  be->ops.embed_norm(be, g->x, a, g->tok_emb, g->m->tok_embeddings.dtype, g->dm.tokens, M, D,
+                     g->layers[0].attn_norm, eps, g->layers[0].wqkv.dtype);
   for (int l = 0; l < c->num_layers; l++) {
     const eng_layer *L = &g->layers[l];
-    const pd_layer_weights *W = &g->m->layers[l];
-    if (l == 0)
-      be->ops.rmsnorm(be, g->xn, g->x, L->attn_norm, eps, M, D);
-    else /* x += the previous layer's MLP output (in act's slot `sel`), then normalise */
-      be->ops.add_rmsnorm(be, g->xn, g->x, g->sel, L->attn_norm, eps, M, D);
-    if (L->wqkv) {
-      be->ops.matmul(be, g->qkv, g->xn, L->wqkv, W->wq.dtype, L->bqkv, M, qd + 2 * kd, D);
-      be->ops.rope_kv_write(be, g->q, g->qkv, g->dm.pos, g->inv_freq, &L->kv, &g->kvs,
-                            g->dm.slots, M, g->nq);
-    } else {
-      qkv_separate(g, L, W, M);
-    }
-    be->ops.attention(be, g->attn, g->q, &L->kv, &g->kvs, &ab, g->nq, scale, L->window);
-    be->ops.matmul(be, g->sel, g->attn, L->wo, W->wo.dtype, L->bo, M, D, qd);
-    be->ops.add_rmsnorm(be, g->xn, g->x, g->sel, L->ffn_norm, eps, M, D);
-    if (be->ops.matmul_glu) {
-      be->ops.matmul_glu(be, g->act, g->gu, g->xn, L->wgu, W->w_gate.dtype, L->bgu, M, F, D);
-    } else {
-      be->ops.matmul(be, g->gu, g->xn, L->wgu, W->w_gate.dtype, L->bgu, M, 2 * F, D);
-      be->ops.swiglu(be, g->act, g->gu, M, F);
-    }
-    be->ops.matmul(be, g->sel, g->act, L->wdown, W->w_down.dtype, L->bdown, M, D, F);
+    const pd_qkv_attn at = {.in = a, .w = L->wqkv, .bias = L->bqkv, .pos = g->dm.pos,
+                            .inv_freq = g->inv_freq, .kv = &L->kv, .shape = &g->kvs,
+                            .slots = g->dm.slots, .batch = &ab, .n_q_heads = g->nq,
+                            .scale = scale, .window = L->window, .out = h,
+                            .out_wdtype = L->wo.dtype, .qkv = g->qkv, .q = g->q};
+    be->ops.qkv_attention(be, &at);
+    const pd_linear o = {.in = h, .w = L->wo, .bias = L->bo, .epilogue = PD_LIN_RESIDUAL,
+                         .y = g->x, .out = a, .norm_w = L->ffn_norm, .eps = eps,
+                         .out_wdtype = L->wgu.dtype, .scratch = g->scratch};
+    be->ops.linear(be, &o);
+    const pd_linear gu = {.in = a, .w = L->wgu, .bias = L->bgu, .epilogue = PD_LIN_GLU,
+                          .out = h, .out_wdtype = L->wdown.dtype, .scratch = g->scratch};
+    be->ops.linear(be, &gu);
+    /* the next layer's norm; after the last, the final norm where the LM head reads every row */
+    const bool last = l + 1 == c->num_layers;
+    const pd_linear down = {
+        .in = h, .w = L->wdown, .bias = L->bdown, .epilogue = PD_LIN_RESIDUAL, .y = g->x,
+        .out = a, .eps = eps, .scratch = g->scratch,
+        .norm_w = !last ? g->layers[l + 1].attn_norm : head_now ? g->final_norm : NULL,
+        .out_wdtype = !last ? g->layers[l + 1].wqkv.dtype : g->lm_head_w.dtype};
+    be->ops.linear(be, &down);
   }
-  be->ops.add(be, g->x, g->sel, (size_t)M * D);
-  if (n_logits > 0) {
-    /* final norm and LM head only on the rows asked for */
-    if (all_rows) {
-      be->ops.rmsnorm(be, g->xn, g->x, g->final_norm, eps, n_logits, D);
-    } else {
-      be->ops.get_rows(be, g->xn, g->x, g->dm.rows, n_logits, D);
-      be->ops.rmsnorm(be, g->xn, g->xn, g->final_norm, eps, n_logits, D);
-    }
-    be->ops.matmul(be, g->logits, g->xn, g->lm_head, g->m->lm_head.dtype, NULL, n_logits, g->V,
-                   D);
+  if (n_logits <= 0) return;
+  if (!head_now) { /* final norm and LM head only on the rows asked for */
+    be->ops.get_rows(be, g->sel, g->x, g->dm.rows, n_logits, D);
+    be->ops.norm(be, a, g->sel, g->final_norm, eps, n_logits, D, g->lm_head_w.dtype);
   }
+  const pd_linear head = {.in = a, .w = g->lm_head_w, .epilogue = PD_LIN_STORE, .y = g->logits,
+                          .scratch = g->scratch};
+  be->ops.linear(be, &head);
 }
 
 /* The batch's metadata into the engine's backend buffers. */

@@ -36,7 +36,7 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   o->kv_crc_threads = 4;
   o->kv_budget_ms = -1.0;
   bool decode = role == PD__ROLE__ROLE_DECODE;
-  pd_opt opts[48] = {
+  pd_opt opts[64] = {
       {"model", PD_OPT_STR, &o->model_dir, "DIR", "Hugging Face model folder (required)", NULL},
       {"served-model-name", PD_OPT_STR, &o->served_name, "NAME",
        "model name clients use (default: the folder's name)", NULL},
@@ -86,8 +86,12 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
       {"verbose", PD_OPT_BOOL, &o->verbose, NULL, "debug logs", NULL},
       {"help", PD_OPT_BOOL, &o->help, NULL, "show this help", NULL},
   };
-  int n0 = 20;
-  if (pd_runtime_opts_table(&o->rt, opts + n0, 48 - n0) < 0) return 1;
+  int n0 = 0;
+  while (opts[n0].name) n0++;
+  if (pd_runtime_opts_table(&o->rt, opts + n0, 64 - n0) < 0) {
+    fprintf(stderr, "%s: the option table is too small\n", decode ? "pd-decode" : "pd-prefill");
+    return 1;
+  }
   const char *prog = decode ? "pd-decode" : "pd-prefill";
   pd_err e = {0};
   if (pd_opts_parse(opts, argc, argv, 1, &e) != PD_OK) {

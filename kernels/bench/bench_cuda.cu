@@ -263,7 +263,7 @@ static double attn_case(int S, int n_new, int ctx, int nq, int nkv, int hd, int 
   float *q = (float *)dalloc((size_t)T * nq * hd * 4), *out = (float *)dalloc((size_t)T * nq * hd * 4);
   fill_f32<<<1024, 256, 0, st>>>(q, (size_t)T * nq * hd, 2.0f, 3);
   pd_kv_shape sh = {num_blocks, bs, nkv, hd, dt};
-  pd_attn_batch b = {S, T, dqs, dcl, dbt, nb_seq, ctx, false};
+  pd_attn_batch b = {S, T, dqs, dcl, dbt, nb_seq, ctx};
   const float scale = 1.0f / sqrtf((float)hd);
   auto call = [&](int) { be->ops.attention(be, out, q, &kv, &sh, &b, nq, scale, 0); };
   double ms = power_shape ? power_run("decode attn", power_shape, &call) : time_ms(10, call);

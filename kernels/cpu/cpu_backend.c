@@ -704,6 +704,7 @@ pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e) {
       .kv_gather_runs = cpu_kv_gather_runs,
       .kv_scatter_runs = cpu_kv_scatter_runs,
   };
+  pd_backend_compose_layer_ops(be); /* the layer ops from the ops above */
   c->k = k;
   c->nt = nt;
   c->scr = calloc((size_t)nt, sizeof *c->scr);

@@ -139,7 +139,6 @@ void pd_cuda_grow(cuda_impl *c, void **buf, size_t *size, size_t bytes, bool in_
 void pd_cuda_soft_fail(cuda_impl *c) {
   if (!c->soft_failed) fprintf(stderr, "pdserve cuda backend: %s\n", c->soft_msg);
   c->soft_failed = true;
-  c->ho_valid = c->h16_valid = c->n16_valid = c->rk_valid = false;
 }
 
 namespace {
@@ -263,16 +262,6 @@ static void gemm16(cuda_impl *c, void *y, cudaDataType_t yt, const void *x16, co
                       y, yt, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-/* Records that xconv holds y [M, K] in dt in place of y itself (pd_mm_fused.y_scratch,
- * pd_attn_batch.out_scratch): the next matmul_fused whose x is y takes it. */
-static void hand16(cuda_impl *c, const float *y, int M, int K, pd_dtype dt) {
-  c->h16_valid = true;
-  c->h16_y = y;
-  c->h16_M = M;
-  c->h16_K = K;
-  c->h16_dt = dt;
-}
-
 /* y = x W^T + bias, or y += that when accumulate. */
 static void matmul_impl(cuda_impl *c, float *y, const float *x, const void *w, pd_dtype wdt,
                         const float *bias, int M, int N, int K, bool accumulate) {
@@ -295,7 +284,6 @@ static void matmul_impl(cuda_impl *c, float *y, const float *x, const void *w, p
                         CUDA_R_32F, K, &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F_FAST_TF32,
                         CUBLAS_GEMM_DEFAULT));
   } else {
-    c->h16_valid = c->n16_valid = false; /* xconv is rewritten */
     grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
     pd_cuda_convert(c->st, c->xconv, wdt, x, (size_t)M * K);
     CK_LAUNCH(c, "convert x");
@@ -347,38 +335,6 @@ void cu_embed(pd_backend *be, float *y, const void *table, pd_dtype dt, const in
   use_device(c);
   pd_cuda_embed(c->st, y, table, dt, ids, M, D, NULL, NULL, NULL);
   CK_LAUNCH(c, "embed");
-}
-
-/* Records the RMSNorm hand-off just queued: y [M, N] with xg = y * g and `parts` partial sums a
- * row in ho_ss[buf], for the next matmul_fused that reads y with norm_w g. */
-static void ho_record(cuda_impl *c, int buf, const float *y, const float *xg, const float *g,
-                      int M, int N, int parts) {
-  c->ho_valid = true;
-  c->ho_buf = buf;
-  c->ho_y = y;
-  c->ho_xg = xg;
-  c->ho_g = g;
-  c->ho_M = M;
-  c->ho_N = N;
-  c->ho_parts = parts;
-}
-
-/* The embedding with the RMSNorm hand-off out (one part a row) for a decode GEMV that reads it,
- * as matmul_fused's GEMVs leave it: the first layer's norm then costs no kernel. */
-void cu_embed_fused(pd_backend *be, float *y, const void *table, pd_dtype dt, const int32_t *ids,
-                    int M, int D, const float *norm_next, float *xg) {
-  cuda_impl *c = impl_of(be);
-  PD_ASSERT(M >= 0 && D >= 0);
-  PD_ASSERT(float_dtype(dt));
-  c->ho_valid = false;
-  if (M == 0 || D == 0) return;
-  use_device(c);
-  const bool ho_out = norm_next && xg && M <= 2;
-  const int buf = c->ho_buf ^ 1;
-  pd_cuda_embed(c->st, y, table, dt, ids, M, D, ho_out ? norm_next : NULL, ho_out ? xg : NULL,
-                ho_out ? c->ho_ss[buf] : NULL);
-  CK_LAUNCH(c, "embed");
-  if (ho_out) ho_record(c, buf, y, xg, norm_next, M, D, 1);
 }
 
 void cu_rope(pd_backend *be, float *q, float *k, const int32_t *pos, const float *inv_freq, int M,
@@ -447,230 +403,6 @@ void cu_matmul_glu(pd_backend *be, float *act, float *gu, const float *x, const 
   CK_LAUNCH(c, "swiglu");
 }
 
-/* A residual GEMM whose next GEMM norms its output (pd_mm_fused.norm_next, eps, 16-bit weights,
- * M above the GEMV rows): the product goes to a scratch of partial sums (its K halves as a
- * batched GEMM where K >= 8192: cuBLAS's own split-K would add a reduce kernel of its own), and
- * one kernel adds them and the bias to y and writes the RMSNorm of the new y in 16 bits into
- * xconv, which the next matmul_fused takes as its operand (n16_*) instead of norming y again:
- * one kernel where cuBLAS's reduce and the norm were two. */
-static int resid_splits(int K) { return K >= 8192 && K % 16 == 0 ? 2 : 1; }
-
-static bool resid_norm_ok(cuda_impl *c, const pd_mm_fused *p, int M, int N, int K) {
-  const size_t ws = (size_t)resid_splits(K) * M * N * sizeof(float);
-  return K > 0 && p->norm_next && p->eps > 0.0f &&
-         pd_cuda_rmsnorm16_ok(p->y, p->norm_next, N) &&
-         (!p->bias || ((uintptr_t)p->bias & 15) == 0) && c->xconv_size >= (size_t)M * N * 2 &&
-         (!c->capturing || c->acc_ws_size >= ws); /* (a capture cannot grow the scratch) */
-}
-
-static void resid_norm(cuda_impl *c, const pd_mm_fused *p, const void *x16, int M, int N,
-                       int K) {
-  const int splits = resid_splits(K);
-  grow(c, reinterpret_cast<void **>(&c->acc_ws), &c->acc_ws_size,
-       (size_t)splits * M * N * sizeof(float));
-  if (splits == 1) {
-    gemm16(c, c->acc_ws, CUDA_R_32F, x16, p->w, p->wdt, M, N, K, 0.0f);
-  } else {
-    const float one = 1.0f, zero = 0.0f;
-    const cudaDataType_t t = p->wdt == PD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-    const int kh = K / 2;
-    CKB(c, cublasGemmStridedBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, kh, &one, p->w, t,
-                                      K, kh, x16, t, K, kh, &zero, c->acc_ws, CUDA_R_32F, N,
-                                      (long long)M * N, splits, CUBLAS_COMPUTE_32F,
-                                      CUBLAS_GEMM_DEFAULT));
-  }
-  pd_cuda_add_rmsnorm16(c->st, c->xconv, p->wdt, p->y, c->acc_ws, splits, (size_t)M * N, p->bias,
-                        p->norm_next, p->eps, M, N);
-  CK_LAUNCH(c, "residual add + rmsnorm (16-bit out)");
-  c->n16_valid = true;
-  c->n16_y = p->y;
-  c->n16_g = p->norm_next;
-  c->n16_eps = p->eps;
-  c->n16_M = M;
-  c->n16_K = N;
-  c->n16_dt = p->wdt;
-}
-
-/* Decode rows (M <= 2) run as one GEMV kernel with the epilogue inside, and the RMSNorm
- * hand-off (see pd_cuda_gemv_pre) between them, so that a decode layer is five GEMV kernels and
- * the attention; where there is no hand-off (the first layer, the LM head) the norm runs as its
- * own kernel first. Larger M run the separate kernels (RMSNorm into the 16-bit GEMM operand,
- * cuBLAS, then the epilogue's kernel; the residual add is cuBLAS's beta = 1). */
-/* The RoPE and cache writes a QKV product left to the next attention (pd_mm_fused.attn_next),
- * run now where that call cannot take them. */
-static void rk_flush(cuda_impl *c) {
-  if (!c->rk_valid) return;
-  c->rk_valid = false;
-  pd_cuda_rope_kv_write(c->st, c->rk_q_out, c->rk_qkv, c->rk_pos, c->rk_inv_freq, &c->rk_kv,
-                        &c->rk_shape, c->rk_slots, c->rk_M, c->rk_nq);
-  CK_LAUNCH(c, "rope_kv_write");
-}
-
-void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
-  cuda_impl *c = impl_of(be);
-  rk_flush(c); /* (a hint not followed by its attention) */
-  const int M = p->M, N = p->N, K = p->K;
-  PD_ASSERT(M >= 0 && N >= 0 && K >= 0);
-  PD_ASSERT(float_dtype(p->wdt));
-  PD_ASSERT(p->epilogue != PD_MM_GLU || N % 2 == 0);
-  if (p->epilogue == PD_MM_ROPE_KV) {
-    const pd_kv_shape *sh = p->shape;
-    PD_ASSERT(p->n_q_heads > 0 && sh->head_dim % 2 == 0 && sh->head_dim <= 256);
-    PD_ASSERT(N == (p->n_q_heads + 2 * sh->num_kv_heads) * sh->head_dim);
-    PD_ASSERT(float_dtype(sh->dtype));
-  }
-  /* the hand-off the previous call left, if it is for this one (consumed either way) */
-  const bool ho_in = c->ho_valid && p->norm_w && p->xg && c->ho_xg == p->xg &&
-                     c->ho_g == p->norm_w && c->ho_y == p->x && c->ho_M == M && c->ho_N == K;
-  c->ho_valid = false;
-  /* the 16-bit GLU product the previous call left instead of writing its y, if x is that y */
-  bool h16_in = c->h16_valid && c->h16_y == p->x && c->h16_M == M && c->h16_K == K;
-  c->h16_valid = false;
-  /* the normed 16-bit operand the previous residual GEMM left, if it is this one's */
-  const bool n16_in = c->n16_valid && p->norm_w && c->n16_g == p->norm_w && c->n16_y == p->x &&
-                      c->n16_M == M && c->n16_K == K && c->n16_eps == p->eps &&
-                      c->n16_dt == p->wdt;
-  c->n16_valid = false;
-  if (M == 0 || N == 0) return;
-  use_device(c);
-  const bool w16 = p->wdt != PD_DTYPE_F32 && K > 0 && M > GEMV_ROWS;
-  if (h16_in && !(w16 && p->wdt == c->h16_dt && !p->norm_w)) {
-    /* not taken as the GEMM operand as it is: y is written from it, then read as any x */
-    pd_cuda_widen(c->st, const_cast<float *>(p->x), c->xconv, c->h16_dt, (size_t)M * K);
-    CK_LAUNCH(c, "widen (16-bit hand-off)");
-    h16_in = false;
-  }
-  const bool small = K > 0 && M <= GEMV_ROWS &&
-                     pd_cuda_gemv_fused_ok(p->x, p->w, p->wdt, M, K);
-  if (small) {
-    const float *xs = p->x;
-    pd_cuda_gemv_pre pre = {NULL, 0, p->eps}, *prep = NULL;
-    if (p->norm_w) {
-      if (ho_in && pd_cuda_gemv_fused_ok(p->xg, p->w, p->wdt, M, K)) {
-        xs = p->xg;
-        pre.ss = c->ho_ss[c->ho_buf];
-        pre.parts = c->ho_parts;
-        prep = &pre;
-      } else {
-        pd_cuda_rmsnorm(c->st, p->xn, const_cast<float *>(p->x), NULL, p->norm_w, p->eps, M, K);
-        CK_LAUNCH(c, "rmsnorm");
-        xs = p->xn;
-      }
-    }
-    switch (p->epilogue) {
-    case PD_MM_GLU:
-      pd_cuda_gemv_glu(c->st, p->y, xs, p->w, p->wdt, p->bias, M, N / 2, K, prep);
-      break;
-    case PD_MM_ROPE_KV:
-      pd_cuda_gemv_rope_kv(c->st, p->q_out, xs, p->w, p->wdt, p->bias, M, K, prep, p->pos,
-                           p->inv_freq, p->kv, p->shape, p->slots, p->n_q_heads);
-      break;
-    default: {
-      /* hand-off out: into the buffer this call does not read */
-      const int parts = pd_cuda_gemv_next_parts(N);
-      const bool ho_out = p->norm_next && p->xg && !prep &&
-                          parts <= PD_CUDA_HO_PARTS && M <= 2;
-      const int buf = c->ho_buf ^ 1;
-      pd_cuda_gemv_fused(c->st, p->y, xs, p->w, p->wdt, p->bias, M, N, K,
-                         p->epilogue == PD_MM_ACCUMULATE, prep, ho_out ? p->norm_next : NULL,
-                         ho_out ? p->xg : NULL, ho_out ? c->ho_ss[buf] : NULL);
-      if (ho_out) ho_record(c, buf, p->y, p->xg, p->norm_next, M, N, parts);
-    }
-    }
-    CK_LAUNCH(c, "gemv (fused)");
-    return;
-  }
-  /* Larger M. With 16-bit weights the GEMM operand is made once in 16 bits (the norm writes it
-   * directly), and the GLU's gate/up product stays 16-bit (cuBLAS writes bf16/f16 into gu, the
-   * SwiGLU kernel reads it): half the traffic of f32 intermediates. */
-  const float *x = p->x;
-  /* (n16_in: the operand is already normed) */
-  const void *x16 = h16_in || (n16_in && w16) ? c->xconv : NULL;
-  /* PD_MM_GLU with y_scratch and 16-bit weights: the SwiGLU writes the next GEMM's operand
-   * (into xconv, after this product has read it) instead of y: a quarter of the traffic of f32
-   * out and a conversion */
-  /* (its operand may be xconv itself, the normed hand-off, where xconv needs no growing: the
-   * SwiGLU writes it after the product has read it) */
-  const size_t h16_bytes = (size_t)M * (size_t)(K > N / 2 ? K : N / 2) * 2;
-  const bool h16_out = p->epilogue == PD_MM_GLU && p->y_scratch && w16 &&
-                       (!x16 || c->xconv_size >= h16_bytes);
-  if (h16_out) grow(c, &c->xconv, &c->xconv_size, h16_bytes);
-  if (x16) {
-    /* the hand-off is the operand */
-  } else if (p->norm_w && w16 && pd_cuda_rmsnorm16_ok(p->x, p->norm_w, K)) {
-    grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
-    pd_cuda_rmsnorm16(c->st, c->xconv, p->wdt, p->x, p->norm_w, p->eps, M, K);
-    CK_LAUNCH(c, "rmsnorm (16-bit out)");
-    x16 = c->xconv;
-  } else if (p->norm_w) {
-    pd_cuda_rmsnorm(c->st, p->xn, const_cast<float *>(p->x), NULL, p->norm_w, p->eps, M, K);
-    CK_LAUNCH(c, "rmsnorm");
-    x = p->xn;
-  }
-  if (w16 && !x16) {
-    grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
-    pd_cuda_convert(c->st, c->xconv, p->wdt, x, (size_t)M * K);
-    CK_LAUNCH(c, "convert x");
-    x16 = c->xconv;
-  }
-  const cudaDataType_t t16 = p->wdt == PD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-  switch (p->epilogue) {
-  case PD_MM_GLU:
-    if (x16 && h16_out) {
-      gemm16(c, p->gu, t16, x16, p->w, p->wdt, M, N, K, 0.0f);
-      pd_cuda_swiglu16_to16(c->st, c->xconv, p->gu, p->wdt, p->bias, M, N / 2);
-      CK_LAUNCH(c, "swiglu (16-bit in and out)");
-      hand16(c, p->y, M, N / 2, p->wdt);
-    } else if (x16) {
-      gemm16(c, p->gu, t16, x16, p->w, p->wdt, M, N, K, 0.0f);
-      pd_cuda_swiglu16(c->st, p->y, p->gu, p->wdt, p->bias, M, N / 2);
-      CK_LAUNCH(c, "swiglu (16-bit in)");
-    } else {
-      matmul_impl(c, p->gu, x, p->w, p->wdt, p->bias, M, N, K, false);
-      pd_cuda_swiglu(c->st, p->y, p->gu, M, N / 2);
-      CK_LAUNCH(c, "swiglu");
-    }
-    break;
-  case PD_MM_ROPE_KV:
-  default: {
-    float *y = p->y;
-    const bool acc = p->epilogue == PD_MM_ACCUMULATE;
-    if (x16 && acc && resid_norm_ok(c, p, M, N, K)) {
-      resid_norm(c, p, x16, M, N, K);
-      break;
-    }
-    if (x16) {
-      gemm16(c, y, CUDA_R_32F, x16, p->w, p->wdt, M, N, K, acc ? 1.0f : 0.0f);
-      if (p->bias) {
-        pd_cuda_bias(c->st, y, p->bias, M, N);
-        CK_LAUNCH(c, "bias");
-      }
-    } else {
-      matmul_impl(c, y, x, p->w, p->wdt, p->bias, M, N, K, acc);
-    }
-    if (p->epilogue == PD_MM_ROPE_KV) {
-      /* left to the attention that reads q_out next */
-      if (p->attn_next) {
-        c->rk_valid = true;
-        c->rk_q_out = p->q_out;
-        c->rk_qkv = y;
-        c->rk_pos = p->pos;
-        c->rk_inv_freq = p->inv_freq;
-        c->rk_kv = *p->kv;
-        c->rk_shape = *p->shape;
-        c->rk_slots = p->slots;
-        c->rk_M = M;
-        c->rk_nq = p->n_q_heads;
-      } else {
-        pd_cuda_rope_kv_write(c->st, p->q_out, y, p->pos, p->inv_freq, p->kv, p->shape,
-                              p->slots, M, p->n_q_heads);
-        CK_LAUNCH(c, "rope_kv_write");
-      }
-    }
-  }
-  }
-}
-
 void cu_rope_kv_write(pd_backend *be, float *q_out, const float *qkv, const int32_t *pos,
                       const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *shape,
                       const int32_t *slots, int M, int n_q_heads) {
@@ -678,7 +410,6 @@ void cu_rope_kv_write(pd_backend *be, float *q_out, const float *qkv, const int3
   PD_ASSERT(M >= 0 && n_q_heads > 0 && shape->block_size > 0 && shape->num_kv_heads > 0);
   PD_ASSERT(shape->head_dim >= 2 && shape->head_dim % 2 == 0 && shape->head_dim <= 256);
   PD_ASSERT(float_dtype(shape->dtype));
-  rk_flush(c);
   if (M == 0) return;
   use_device(c);
   pd_cuda_rope_kv_write(c->st, q_out, qkv, pos, inv_freq, kv, shape, slots, M, n_q_heads);
@@ -713,26 +444,34 @@ void choose_splits(cuda_impl *c, pd_cuda_attn *a, long long blocks, long long ta
                                                            a->n_q_heads * a->head_dim);
 }
 
-void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer *kv,
-                  const pd_kv_shape *shape, const pd_attn_batch *b, int n_q_heads, float scale,
-                  int sliding_window) {
-  cuda_impl *c = impl_of(be);
+/* The RoPE and cache writes of a QKV product that an attention call does itself (qkv_attention):
+ * inside the decode kernel where it runs one block per (sequence, KV head), as a
+ * rope_kv_write kernel before it otherwise. */
+struct attn_rope {
+  const float *qkv, *inv_freq;
+  const int32_t *pos, *slots;
+};
+
+/* Attention as the `attention` op, into out (f32) or out16 (bf16, when not NULL); rope: the
+ * QKV rows' RoPE and cache writes first (q is then where the rotated q rows go). */
+static void attn_core(cuda_impl *c, float *out, __nv_bfloat16 *out16, const float *q,
+                      const pd_kv_layer *kv, const pd_kv_shape *shape, const pd_attn_batch *b,
+                      int n_q_heads, float scale, int sliding_window, const attn_rope *rope) {
   PD_ASSERT(shape->block_size > 0 && shape->num_kv_heads > 0 && shape->head_dim > 0);
   PD_ASSERT(n_q_heads > 0 && n_q_heads % shape->num_kv_heads == 0);
   PD_ASSERT(float_dtype(shape->dtype));
   PD_ASSERT(shape->head_dim % 2 == 0 && shape->head_dim <= 256);
   PD_ASSERT(b->n_seqs >= 0 && b->n_tokens >= b->n_seqs);
-  /* the RoPE and cache writes the QKV product left to this call, if they are its own: taken into
-   * the decode kernel where it runs one block per (sequence, KV head), else run first */
-  const bool rk_mine = c->rk_valid && c->rk_q_out == q && c->rk_kv.k == kv->k &&
-                       c->rk_kv.v == kv->v && c->rk_M == b->n_tokens && c->rk_nq == n_q_heads &&
-                       !memcmp(&c->rk_shape, shape, sizeof *shape);
-  if (!rk_mine) rk_flush(c);
-  if (b->n_seqs == 0 || b->n_tokens == 0) {
-    rk_flush(c);
-    return;
-  }
+  if (b->n_seqs == 0 || b->n_tokens == 0) return;
   use_device(c);
+  /* the rope_kv_write kernel, unless the decode kernel takes it */
+  auto rope_first = [&]() {
+    if (!rope) return;
+    pd_cuda_rope_kv_write(c->st, const_cast<float *>(q), rope->qkv, rope->pos, rope->inv_freq,
+                          kv, shape, rope->slots, b->n_tokens, n_q_heads);
+    CK_LAUNCH(c, "rope_kv_write");
+    rope = nullptr;
+  };
   pd_cuda_attn a;
   memset(&a, 0, sizeof a);
   a.out = out;
@@ -757,20 +496,10 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
   a.max_ctx_len = b->max_ctx_len > 0 ? b->max_ctx_len : 1;
   a.n_splits = 1;
   a.split_len = 1 << 30;
-  /* out_scratch at the sizes whose o projection runs on cuBLAS: the output goes straight into
-   * the 16-bit operand buffer (the rounding the conversion would make) and is handed to the next
-   * matmul_fused as the GLU's product is */
-  const size_t ho_bytes = (size_t)b->n_tokens * n_q_heads * a.head_dim * 2;
-  if (b->out_scratch && b->n_tokens > GEMV_ROWS &&
-      (!c->capturing || ho_bytes <= c->xconv_size)) {
-    grow(c, &c->xconv, &c->xconv_size, ho_bytes);
-    a.out16 = static_cast<__nv_bfloat16 *>(c->xconv);
-    c->n16_valid = false;
-    hand16(c, out, b->n_tokens, n_q_heads * a.head_dim, PD_DTYPE_BF16);
-  }
+  a.out16 = out16;
 
   if (!pd_cuda_attn_tuned_hd(a.head_dim)) {
-    rk_flush(c);
+    rope_first();
     pd_cuda_attn_generic(c->st, &a);
     CK_LAUNCH(c, "attention (generic)");
     return;
@@ -799,14 +528,14 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       /* (not for splits of one tile: batch 1's attention over a few hundred keys is a chain
        * of latencies, where the tensor-map copies' barrier adds one: 4.071 -> 4.080 ms a step) */
       a.tma = a.split_len != 64 && pd_cuda_attn_decode_tma_ok(&a, c->cc_major);
-      if (c->rk_valid && a.n_splits == 1 && !a.cluster) {
-        a.rope_qkv = c->rk_qkv;
-        a.rope_inv_freq = c->rk_inv_freq;
-        a.rope_pos = c->rk_pos;
-        a.rope_slots = c->rk_slots;
-        c->rk_valid = false;
+      if (rope && a.n_splits == 1 && !a.cluster) {
+        a.rope_qkv = rope->qkv;
+        a.rope_inv_freq = rope->inv_freq;
+        a.rope_pos = rope->pos;
+        a.rope_slots = rope->slots;
+        rope = nullptr;
       }
-      rk_flush(c);
+      rope_first();
       pd_cuda_attn_decode_tc(c->st, &a);
       CK_LAUNCH(c, "attention (decode, tensor cores)");
       if (a.cluster) return;
@@ -815,7 +544,7 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
       long long blocks = (long long)a.n_seqs * a.n_kv_heads * ((a.group + maxg - 1) / maxg);
       choose_splits(c, &a, blocks, 8LL * c->n_sm, span, 256, 64);
       if (a.n_splits > 1) a.split_len = 0; /* per sequence: see pd_cuda_attn */
-      rk_flush(c);
+      rope_first();
       pd_cuda_attn_decode(c->st, &a);
       CK_LAUNCH(c, "attention (decode)");
     }
@@ -834,7 +563,7 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
     long long tiles = (long long)a.n_tokens * a.group / a.bm + a.n_seqs;
     /* two 4-warp blocks or one 8-warp block fit an SM */
     choose_splits(c, &a, tiles * a.n_kv_heads, (a.bm == 128 ? 1LL : 2LL) * c->n_sm, span, 512, 64);
-    rk_flush(c);
+    rope_first();
     pd_cuda_attn_prefill(c->st, &a);
     CK_LAUNCH(c, "attention (prefill)");
   }
@@ -842,6 +571,336 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
     pd_cuda_attn_merge(c->st, &a);
     CK_LAUNCH(c, "attention (merge)");
   }
+}
+
+void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer *kv,
+                  const pd_kv_shape *shape, const pd_attn_batch *b, int n_q_heads, float scale,
+                  int sliding_window) {
+  attn_core(impl_of(be), out, nullptr, q, kv, shape, b, n_q_heads, scale, sliding_window,
+            nullptr);
+}
+
+/* ---- the layer ops (backend.h) --------------------------------------------------------------
+ * The acts between them, by the consumer's needs:
+ *  - ACT_F32: f32 rows [M, K].
+ *  - ACT_PARTIALS (M <= GEMV_ROWS): the RMSNorm left for the decode GEMV that reads the rows to
+ *    finish (pd_cuda_gemv_pre): xg = y * g [M, K] f32, then aux partial sums of y^2 a row
+ *    (act_ss); auxf holds eps. A decode layer is then four GEMV kernels and the attention.
+ *  - ACT_H16 (M above the GEMV rows, 16-bit weights): the rows in aux's dtype (BF16 or F16), the
+ *    operand cuBLAS reads, written by the op before (the norm, the SwiGLU, the attention) instead
+ *    of f32 rows to convert: half the traffic. */
+enum { ACT_F32 = 0, ACT_PARTIALS = 1, ACT_H16 = 2 };
+
+static size_t act_rows_bytes(int M, int K) { return ((size_t)M * (size_t)K * 4 + 15) & ~(size_t)15; }
+static float *act_ss(const pd_act *a) {
+  return reinterpret_cast<float *>(static_cast<char *>(a->data) + act_rows_bytes(a->M, a->K));
+}
+static void set_act(pd_act *a, int M, int K, int form, int aux, float auxf) {
+  a->M = M;
+  a->K = K;
+  a->form = form;
+  a->aux = aux;
+  a->auxf = auxf;
+}
+static bool is16(pd_dtype t) { return t == PD_DTYPE_BF16 || t == PD_DTYPE_F16; }
+
+size_t cu_act_bytes(pd_backend *be, int M, int K) {
+  (void)be;
+  return act_rows_bytes(M < 0 ? 0 : M, K < 0 ? 0 : K) +
+         (size_t)GEMV_ROWS * PD_CUDA_HO_PARTS * sizeof(float);
+}
+
+/* out = rmsnorm(x [M, D]) * w: 16-bit rows for a cuBLAS consumer, f32 rows for a GEMV. */
+static void act_norm(cuda_impl *c, pd_act *out, const float *x, const float *w, float eps, int M,
+                     int D, pd_dtype out_wdtype) {
+  if (M > GEMV_ROWS && is16(out_wdtype) && pd_cuda_rmsnorm16_ok(x, w, D)) {
+    pd_cuda_rmsnorm16(c->st, out->data, out_wdtype, x, w, eps, M, D);
+    CK_LAUNCH(c, "rmsnorm (16-bit out)");
+    set_act(out, M, D, ACT_H16, out_wdtype, 0.0f);
+  } else {
+    pd_cuda_rmsnorm(c->st, static_cast<float *>(out->data), const_cast<float *>(x), NULL, w, eps,
+                    M, D);
+    CK_LAUNCH(c, "rmsnorm");
+    set_act(out, M, D, ACT_F32, 0, 0.0f);
+  }
+}
+
+void cu_norm(pd_backend *be, pd_act *out, const float *x, const float *norm_w, float eps, int M,
+             int D, pd_dtype out_wdtype) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && D >= 0);
+  set_act(out, M, D, ACT_F32, 0, 0.0f);
+  if (M == 0 || D == 0) return;
+  use_device(c);
+  act_norm(c, out, x, norm_w, eps, M, D, out_wdtype);
+}
+
+/* The embedding and the first layer's norm: for decode rows the embedding kernel leaves the
+ * norm's partial sums (one a row) for the QKV GEMV. */
+void cu_embed_norm(pd_backend *be, float *x, pd_act *out, const void *table, pd_dtype dt,
+                   const int32_t *ids, int M, int D, const float *norm_w, float eps,
+                   pd_dtype out_wdtype) {
+  cuda_impl *c = impl_of(be);
+  PD_ASSERT(M >= 0 && D >= 0);
+  PD_ASSERT(float_dtype(dt));
+  set_act(out, M, D, ACT_F32, 0, 0.0f);
+  if (M == 0 || D == 0) return;
+  use_device(c);
+  if (M <= GEMV_ROWS && D % 8 == 0) {
+    pd_cuda_embed(c->st, x, table, dt, ids, M, D, norm_w, static_cast<float *>(out->data),
+                  act_ss(out));
+    CK_LAUNCH(c, "embed");
+    set_act(out, M, D, ACT_PARTIALS, 1, eps);
+    return;
+  }
+  pd_cuda_embed(c->st, x, table, dt, ids, M, D, NULL, NULL, NULL);
+  CK_LAUNCH(c, "embed");
+  act_norm(c, out, x, norm_w, eps, M, D, out_wdtype);
+}
+
+/* The operand of a product with W (wdt) from act in, for the GEMM paths: exactly one of *x16
+ * (16-bit rows for cuBLAS) and *x (f32 rows) is set. */
+static void gemm_operand(cuda_impl *c, const pd_act *in, pd_dtype wdt, const void **x16,
+                         const float **x) {
+  const int M = in->M, K = in->K;
+  const bool w16 = is16(wdt) && K > 0 && M > GEMV_ROWS;
+  *x16 = NULL;
+  *x = static_cast<const float *>(in->data);
+  if (in->form == ACT_H16) {
+    /* written for this product: M above the GEMV rows and the same 16-bit type */
+    PD_ASSERT(w16 && in->aux == (int)wdt && "an act in 16 bits for another weight type");
+    *x16 = in->data;
+    *x = NULL;
+    return;
+  }
+  if (in->form == ACT_PARTIALS) { /* a GEMV did not take it (alignment): finish the norm */
+    grow(c, reinterpret_cast<void **>(&c->xfin), &c->xfin_size, (size_t)M * K * sizeof(float));
+    pd_cuda_norm_finish(c->st, c->xfin, static_cast<const float *>(in->data), act_ss(in), in->aux,
+                        in->auxf, M, K);
+    CK_LAUNCH(c, "norm finish");
+    *x = c->xfin;
+  }
+  if (w16) {
+    grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
+    pd_cuda_convert(c->st, c->xconv, wdt, *x, (size_t)M * K);
+    CK_LAUNCH(c, "convert x");
+    *x16 = c->xconv;
+    *x = NULL;
+  }
+}
+
+/* y (+)= operand W^T + bias by cuBLAS (or matmul_impl's GEMV for f32 rows) */
+static void gemm_any(cuda_impl *c, float *y, const void *x16, const float *x, const void *w,
+                     pd_dtype wdt, const float *bias, int M, int N, int K, bool accumulate) {
+  if (!x16) {
+    matmul_impl(c, y, x, w, wdt, bias, M, N, K, accumulate);
+    return;
+  }
+  gemm16(c, y, CUDA_R_32F, x16, w, wdt, M, N, K, accumulate ? 1.0f : 0.0f);
+  if (bias) {
+    pd_cuda_bias(c->st, y, bias, M, N);
+    CK_LAUNCH(c, "bias");
+  }
+}
+
+/* The decode GEMV's view of act in (f32 rows, or the rows with their norm pending); false when
+ * the product does not run as a GEMV. */
+static bool gemv_input(const pd_act *in, const void *w, pd_dtype wdt, const float **xs,
+                       pd_cuda_gemv_pre *pre, const pd_cuda_gemv_pre **prep) {
+  const int M = in->M, K = in->K;
+  if (K <= 0 || M > GEMV_ROWS || in->form == ACT_H16 ||
+      !pd_cuda_gemv_fused_ok(static_cast<const float *>(in->data), w, wdt, M, K))
+    return false;
+  *xs = static_cast<const float *>(in->data);
+  *prep = NULL;
+  if (in->form == ACT_PARTIALS) {
+    *pre = {act_ss(in), in->aux, in->auxf};
+    *prep = pre;
+  }
+  return true;
+}
+
+/* A residual product whose next product norms its output, above the GEMV rows with 16-bit
+ * weights: the product goes to a scratch of partial sums (its K halves as a batched GEMM where
+ * K >= 8192: cuBLAS's own split-K would add a reduce kernel of its own), and one kernel adds them
+ * and the bias to y and writes the RMSNorm of the new y as the next product's 16-bit operand:
+ * one kernel where cuBLAS's reduce and the norm were two. */
+static int resid_splits(int K) { return K >= 8192 && K % 16 == 0 ? 2 : 1; }
+
+static bool resid_norm_ok(cuda_impl *c, const pd_linear *p, int M, int N, int K) {
+  const size_t ws = (size_t)resid_splits(K) * M * N * sizeof(float);
+  return K > 0 && p->eps > 0.0f && is16(p->out_wdtype) &&
+         pd_cuda_rmsnorm16_ok(p->y, p->norm_w, N) &&
+         (!p->bias || ((uintptr_t)p->bias & 15) == 0) &&
+         (!c->capturing || c->acc_ws_size >= ws); /* (a capture cannot grow the scratch) */
+}
+
+static void resid_norm(cuda_impl *c, const pd_linear *p, const void *x16, int M, int N, int K) {
+  const int splits = resid_splits(K);
+  const pd_dtype wdt = p->w.dtype;
+  grow(c, reinterpret_cast<void **>(&c->acc_ws), &c->acc_ws_size,
+       (size_t)splits * M * N * sizeof(float));
+  if (splits == 1) {
+    gemm16(c, c->acc_ws, CUDA_R_32F, x16, p->w.data, wdt, M, N, K, 0.0f);
+  } else {
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType_t t = wdt == PD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const int kh = K / 2;
+    CKB(c, cublasGemmStridedBatchedEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, kh, &one,
+                                      p->w.data, t, K, kh, x16, t, K, kh, &zero, c->acc_ws,
+                                      CUDA_R_32F, N, (long long)M * N, splits, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT));
+  }
+  pd_cuda_add_rmsnorm16(c->st, p->out->data, p->out_wdtype, p->y, c->acc_ws, splits,
+                        (size_t)M * N, p->bias, p->norm_w, p->eps, M, N);
+  CK_LAUNCH(c, "residual add + rmsnorm (16-bit out)");
+  set_act(p->out, M, N, ACT_H16, p->out_wdtype, 0.0f);
+}
+
+/* Decode rows (M <= GEMV_ROWS) run as one GEMV kernel with the epilogue inside, reading the
+ * norm the op before left pending and leaving the next one pending; larger M run the RMSNorm
+ * into the 16-bit GEMM operand, cuBLAS, and the epilogue's kernel (the residual add is cuBLAS's
+ * beta = 1, or the split-K reduce with the next norm). */
+void cu_linear(pd_backend *be, const pd_linear *p) {
+  cuda_impl *c = impl_of(be);
+  const pd_act *in = p->in;
+  const int M = in->M, K = in->K, N = p->w.N;
+  const pd_dtype wdt = p->w.dtype;
+  const void *w = p->w.data;
+  PD_ASSERT(M >= 0 && N >= 0 && K >= 0 && K == p->w.K);
+  PD_ASSERT(float_dtype(wdt));
+  PD_ASSERT(p->epilogue != PD_LIN_GLU || N % 2 == 0);
+  const bool out_act = p->epilogue == PD_LIN_GLU || (p->epilogue == PD_LIN_RESIDUAL && p->norm_w);
+  const int out_K = p->epilogue == PD_LIN_GLU ? N / 2 : N;
+  if (out_act) set_act(p->out, M, out_K, ACT_F32, 0, 0.0f);
+  if (M == 0 || N == 0) return;
+  use_device(c);
+  const float *xs;
+  pd_cuda_gemv_pre pre;
+  const pd_cuda_gemv_pre *prep;
+  if (gemv_input(in, w, wdt, &xs, &pre, &prep)) {
+    switch (p->epilogue) {
+    case PD_LIN_GLU:
+      pd_cuda_gemv_glu(c->st, static_cast<float *>(p->out->data), xs, w, wdt, p->bias, M, N / 2,
+                       K, prep);
+      break;
+    case PD_LIN_STORE:
+      pd_cuda_gemv_fused(c->st, p->y, xs, w, wdt, p->bias, M, N, K, false, prep, NULL, NULL, NULL);
+      break;
+    case PD_LIN_RESIDUAL: {
+      /* the next norm left pending for the GEMV after (not where this one took a pending norm:
+       * one buffer of partial sums each way) */
+      const int parts = pd_cuda_gemv_next_parts(N);
+      const bool ho = p->norm_w && !prep && parts <= PD_CUDA_HO_PARTS && N % 8 == 0;
+      pd_cuda_gemv_fused(c->st, p->y, xs, w, wdt, p->bias, M, N, K, true, prep,
+                         ho ? p->norm_w : NULL, ho ? static_cast<float *>(p->out->data) : NULL,
+                         ho ? act_ss(p->out) : NULL);
+      CK_LAUNCH(c, "gemv (fused)");
+      if (ho) set_act(p->out, M, N, ACT_PARTIALS, parts, p->eps);
+      else if (p->norm_w) act_norm(c, p->out, p->y, p->norm_w, p->eps, M, N, p->out_wdtype);
+      return;
+    }
+    }
+    CK_LAUNCH(c, "gemv (fused)");
+    return;
+  }
+  const void *x16;
+  const float *x;
+  gemm_operand(c, in, wdt, &x16, &x);
+  switch (p->epilogue) {
+  case PD_LIN_GLU:
+    if (x16) {
+      /* cuBLAS writes the 16-bit product; the SwiGLU writes the next product's 16-bit operand
+       * where that has this weight type (a quarter of the traffic of f32 out and a conversion) */
+      const cudaDataType_t t16 = wdt == PD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+      gemm16(c, p->scratch, t16, x16, w, wdt, M, N, K, 0.0f);
+      if (p->out_wdtype == wdt) {
+        pd_cuda_swiglu16_to16(c->st, p->out->data, p->scratch, wdt, p->bias, M, N / 2);
+        CK_LAUNCH(c, "swiglu (16-bit in and out)");
+        set_act(p->out, M, N / 2, ACT_H16, wdt, 0.0f);
+      } else {
+        pd_cuda_swiglu16(c->st, static_cast<float *>(p->out->data), p->scratch, wdt, p->bias, M,
+                         N / 2);
+        CK_LAUNCH(c, "swiglu (16-bit in)");
+      }
+    } else {
+      matmul_impl(c, p->scratch, x, w, wdt, p->bias, M, N, K, false);
+      pd_cuda_swiglu(c->st, static_cast<float *>(p->out->data), p->scratch, M, N / 2);
+      CK_LAUNCH(c, "swiglu");
+    }
+    break;
+  case PD_LIN_STORE:
+    gemm_any(c, p->y, x16, x, w, wdt, p->bias, M, N, K, false);
+    break;
+  case PD_LIN_RESIDUAL:
+    if (x16 && p->norm_w && resid_norm_ok(c, p, M, N, K)) {
+      resid_norm(c, p, x16, M, N, K);
+      break;
+    }
+    gemm_any(c, p->y, x16, x, w, wdt, p->bias, M, N, K, true);
+    if (p->norm_w) act_norm(c, p->out, p->y, p->norm_w, p->eps, M, N, p->out_wdtype);
+    break;
+  }
+}
+
+/* QKV product, RoPE, cache writes and attention. Decode rows: one GEMV with the RoPE and the
+ * cache writes in its epilogue; larger M: cuBLAS, then the attention, whose decode kernel does
+ * the RoPE and cache writes itself where it runs one block per (sequence, KV head). The output
+ * goes to the o projection's operand: bf16 rows above the GEMV rows with bf16 weights. */
+void cu_qkv_attention(pd_backend *be, const pd_qkv_attn *p) {
+  cuda_impl *c = impl_of(be);
+  const pd_act *in = p->in;
+  const pd_kv_shape *sh = p->shape;
+  const int M = in->M, K = in->K, N = p->w.N, hd = sh->head_dim;
+  const pd_dtype wdt = p->w.dtype;
+  PD_ASSERT(M >= 0 && K == p->w.K && p->batch->n_tokens == M);
+  PD_ASSERT(float_dtype(wdt));
+  PD_ASSERT(p->n_q_heads > 0 && hd % 2 == 0 && hd <= 256);
+  PD_ASSERT(N == (p->n_q_heads + 2 * sh->num_kv_heads) * hd);
+  PD_ASSERT(float_dtype(sh->dtype));
+  const int qd = p->n_q_heads * hd;
+  const bool o16 = M > GEMV_ROWS && p->out_wdtype == PD_DTYPE_BF16;
+  set_act(p->out, M, qd, o16 ? ACT_H16 : ACT_F32, o16 ? PD_DTYPE_BF16 : 0, 0.0f);
+  if (M == 0) return;
+  use_device(c);
+  float *out = o16 ? nullptr : static_cast<float *>(p->out->data);
+  __nv_bfloat16 *out16 = o16 ? static_cast<__nv_bfloat16 *>(p->out->data) : nullptr;
+  const float *xs;
+  pd_cuda_gemv_pre pre;
+  const pd_cuda_gemv_pre *prep;
+  if (gemv_input(in, p->w.data, wdt, &xs, &pre, &prep)) {
+    pd_cuda_gemv_rope_kv(c->st, p->q, xs, p->w.data, wdt, p->bias, M, K, prep, p->pos,
+                         p->inv_freq, p->kv, sh, p->slots, p->n_q_heads);
+    CK_LAUNCH(c, "gemv (qkv, rope, cache)");
+    attn_core(c, out, out16, p->q, p->kv, sh, p->batch, p->n_q_heads, p->scale, p->window,
+              nullptr);
+    return;
+  }
+  const void *x16;
+  const float *x;
+  gemm_operand(c, in, wdt, &x16, &x);
+  gemm_any(c, p->qkv, x16, x, p->w.data, wdt, p->bias, M, N, K, false);
+  const attn_rope r = {p->qkv, p->inv_freq, p->pos, p->slots};
+  attn_core(c, out, out16, p->q, p->kv, sh, p->batch, p->n_q_heads, p->scale, p->window, &r);
+}
+
+/* The values of an act as f32 rows on the host. */
+void cu_act_read(pd_backend *be, float *rows, const pd_act *a) {
+  cuda_impl *c = impl_of(be);
+  const size_t n = (size_t)a->M * a->K;
+  if (n == 0) return;
+  use_device(c);
+  const float *src = static_cast<const float *>(a->data);
+  if (a->form != ACT_F32) {
+    grow(c, reinterpret_cast<void **>(&c->xfin), &c->xfin_size, n * sizeof(float));
+    if (a->form == ACT_H16)
+      pd_cuda_widen(c->st, c->xfin, a->data, (pd_dtype)a->aux, n);
+    else
+      pd_cuda_norm_finish(c->st, c->xfin, src, act_ss(a), a->aux, a->auxf, a->M, a->K);
+    CK_LAUNCH(c, "act read");
+    src = c->xfin;
+  }
+  cu_to_host(be, rows, src, n * sizeof(float));
 }
 
 /* ---- create / destroy --------------------------------------------------------------------- */
@@ -882,7 +941,7 @@ void cu_destroy(pd_backend *be) {
     cudaFree(c->xconv);
     cudaFree(c->acc_ws);
     cudaFree(c->attn_ws);
-    cudaFree(c->ho_ss[0]);
+    cudaFree(c->xfin);
     cudaFree(c->tiles);
     pd_cuda_free_extras(c);
     pd_cuda_free_retired(c);
@@ -972,7 +1031,6 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   be->ops.rmsnorm = PD_CUDA_GUARD(cu_rmsnorm);
   be->ops.add_rmsnorm = PD_CUDA_GUARD(cu_add_rmsnorm);
   be->ops.embed = PD_CUDA_GUARD(cu_embed);
-  be->ops.embed_fused = PD_CUDA_GUARD(cu_embed_fused);
   be->ops.rope = PD_CUDA_GUARD(cu_rope);
   be->ops.swiglu = PD_CUDA_GUARD(cu_swiglu);
   be->ops.kv_write = PD_CUDA_GUARD(cu_kv_write);
@@ -985,7 +1043,12 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   be->ops.take_error = cu_take_error;
   be->ops.matmul_glu = PD_CUDA_GUARD(cu_matmul_glu);
   be->ops.rope_kv_write = PD_CUDA_GUARD(cu_rope_kv_write);
-  be->ops.matmul_fused = PD_CUDA_GUARD(cu_matmul_fused);
+  be->ops.act_bytes = cu_act_bytes;
+  be->ops.embed_norm = PD_CUDA_GUARD(cu_embed_norm);
+  be->ops.norm = PD_CUDA_GUARD(cu_norm);
+  be->ops.linear = PD_CUDA_GUARD(cu_linear);
+  be->ops.qkv_attention = PD_CUDA_GUARD(cu_qkv_attention);
+  be->ops.act_read = PD_CUDA_GUARD(cu_act_read);
   pd_cuda_register_sample(be);
   pd_cuda_register_kvstage(be);
   pd_cuda_register_graph(be);
@@ -1002,8 +1065,6 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   } else if ((r = cudaMalloc(&c->blas_ws, kBlasWorkspace)) != cudaSuccess ||
              (r = cudaMalloc(&c->xconv, kXconvInitial)) != cudaSuccess ||
              (r = cudaMalloc((void **)&c->attn_ws, kAttnWorkspace)) != cudaSuccess ||
-             (r = cudaMalloc((void **)&c->ho_ss[0], 4 * PD_CUDA_HO_PARTS * sizeof(float))) !=
-                 cudaSuccess ||
              (r = cudaMalloc((void **)&c->tiles, kTilesInitial * sizeof(int32_t))) !=
                  cudaSuccess) {
     what = "allocating workspaces";
@@ -1023,7 +1084,6 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   }
   c->xconv_size = kXconvInitial;
   c->attn_ws_size = kAttnWorkspace;
-  c->ho_ss[1] = c->ho_ss[0] + 2 * PD_CUDA_HO_PARTS;
   c->tiles_cap = kTilesInitial;
   /* Pinned staging is an optimisation: without it to_host copies directly. */
   for (int i = 0; i < 2; i++) {

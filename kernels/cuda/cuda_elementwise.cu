@@ -411,6 +411,17 @@ __global__ void get_rows_kernel(float *__restrict__ y, const float *__restrict__
 
 __global__ void trap_kernel() { __trap(); }
 
+/* One block a row: y = xg * 1 / sqrt(sum(ss row) / K + eps), as the decode GEMV finishes it. */
+__global__ void norm_finish_kernel(float *__restrict__ y, const float *__restrict__ xg,
+                                   const float *__restrict__ ss, int parts, float eps, int K) {
+  const size_t m = blockIdx.x;
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < parts; i += blockDim.x) s += ss[m * parts + i];
+  s = block_sum(s);
+  const float inv = 1.0f / sqrtf(s / (float)K + eps);
+  for (int i = threadIdx.x; i < K; i += blockDim.x) y[m * K + i] = xg[m * K + i] * inv;
+}
+
 __global__ void add_kernel(float *__restrict__ y, const float *__restrict__ x, size_t n) {
   const size_t stride = (size_t)gridDim.x * blockDim.x;
   size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -577,6 +588,11 @@ void pd_cuda_add(cudaStream_t st, float *y, const float *x, size_t n) {
 }
 
 void pd_cuda_trap(cudaStream_t st) { trap_kernel<<<1, 1, 0, st>>>(); }
+
+void pd_cuda_norm_finish(cudaStream_t st, float *y, const float *xg, const float *ss, int parts,
+                         float eps, int M, int K) {
+  norm_finish_kernel<<<M, 256, 0, st>>>(y, xg, ss, parts, eps, K);
+}
 
 void pd_cuda_bias(cudaStream_t st, float *y, const float *bias, int M, int N) {
   size_t n = (size_t)M * N;

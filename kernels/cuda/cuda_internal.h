@@ -129,6 +129,10 @@ void pd_cuda_rope_kv_write(cudaStream_t st, float *q_out, const float *qkv, cons
                            const int32_t *slots, int M, int nqh);
 void pd_cuda_get_rows(cudaStream_t st, float *y, const float *x, const int32_t *idx, int n, int D);
 void pd_cuda_add(cudaStream_t st, float *y, const float *x, size_t n);
+/* y [M, K] = xg * 1 / sqrt(sum(ss[m][0, parts)) / K + eps): an RMSNorm hand-off's rows (see
+ * pd_cuda_gemv_pre) finished. */
+void pd_cuda_norm_finish(cudaStream_t st, float *y, const float *xg, const float *ss, int parts,
+                         float eps, int M, int K);
 /* A kernel that traps: the context's sticky "unspecified launch failure", as a device fault
  * gives (fault-handling tests only; backend.h inject_fault). */
 void pd_cuda_trap(cudaStream_t st);

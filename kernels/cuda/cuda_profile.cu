@@ -200,11 +200,17 @@ void p_embed(pd_backend *be, float *y, const void *t, pd_dtype dt, const int32_t
   g_prof->orig.embed(be, y, t, dt, ids, M, D);
   end(be, i, "embed M=%d", M);
 }
-void p_embed_fused(pd_backend *be, float *y, const void *t, pd_dtype dt, const int32_t *ids,
-                   int M, int D, const float *g, float *xg) {
+void p_embed_norm(pd_backend *be, float *x, pd_act *out, const void *t, pd_dtype dt,
+                  const int32_t *ids, int M, int D, const float *g, float eps, pd_dtype odt) {
   int i = begin(be);
-  g_prof->orig.embed_fused(be, y, t, dt, ids, M, D, g, xg);
-  end(be, i, "embed (hand-off) M=%d", M);
+  g_prof->orig.embed_norm(be, x, out, t, dt, ids, M, D, g, eps, odt);
+  end(be, i, "embed + norm M=%d", M);
+}
+void p_norm(pd_backend *be, pd_act *out, const float *x, const float *g, float eps, int M, int D,
+            pd_dtype odt) {
+  int i = begin(be);
+  g_prof->orig.norm(be, out, x, g, eps, M, D, odt);
+  end(be, i, "rmsnorm M=%d", M);
 }
 void p_rope(pd_backend *be, float *q, float *k, const int32_t *pos, const float *inv, int M,
             int nq, int nkv, int hd) {
@@ -253,12 +259,19 @@ void p_rope_kv_write(pd_backend *be, float *q_out, const float *qkv, const int32
   g_prof->orig.rope_kv_write(be, q_out, qkv, pos, inv, kv, sh, slots, M, nq);
   end(be, i, "rope_kv_write M=%d", M);
 }
-void p_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
-  static const char *const ep[] = {"", " +=", " glu", " rope_kv"};
+void p_linear(pd_backend *be, const pd_linear *p) {
+  static const char *const ep[] = {"", " +=", " glu"};
   int i = begin(be);
-  g_prof->orig.matmul_fused(be, p);
-  end(be, i, "matmul%s%s M=%d N=%d K=%d", p->norm_w ? " norm" : "", ep[p->epilogue & 3], p->M,
-      p->N, p->K);
+  g_prof->orig.linear(be, p);
+  end(be, i, "matmul%s%s M=%d N=%d K=%d", ep[p->epilogue % 3], p->norm_w ? " norm" : "", p->in->M,
+      p->w.N, p->w.K);
+}
+void p_qkv_attention(pd_backend *be, const pd_qkv_attn *p) {
+  int i = begin(be);
+  g_prof->orig.qkv_attention(be, p);
+  const pd_attn_batch *b = p->batch;
+  end(be, i, "qkv + attention %s seqs=%d tokens=%d", b->n_tokens == b->n_seqs ? "decode" : "prefill",
+      b->n_seqs, b->n_tokens);
 }
 void p_sample(pd_backend *be, pd_dev_sample_out *out, const float *logits, int vocab,
               const pd_dev_sample_spec *specs, int n, const pd_dev_sample_edit *edits,
@@ -382,8 +395,10 @@ void pd_cuda_profile_wrap(pd_backend *be) {
   if (be->ops.matmul_glu) be->ops.matmul_glu = p_matmul_glu;
   if (be->ops.rope_kv_write) be->ops.rope_kv_write = p_rope_kv_write;
   if (be->ops.sample) be->ops.sample = p_sample;
-  if (be->ops.matmul_fused) be->ops.matmul_fused = p_matmul_fused;
-  if (be->ops.embed_fused) be->ops.embed_fused = p_embed_fused;
+  be->ops.embed_norm = p_embed_norm;
+  be->ops.norm = p_norm;
+  be->ops.linear = p_linear;
+  be->ops.qkv_attention = p_qkv_attention;
   if (be->ops.graph_launch) be->ops.graph_launch = p_graph_launch;
   if (be->ops.capture_begin) be->ops.capture_begin = p_capture_begin;
   if (be->ops.capture_end) be->ops.capture_end = p_capture_end;

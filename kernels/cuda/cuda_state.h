@@ -44,36 +44,10 @@ struct cuda_impl {
   void *smp_host;  /* pinned mirror of specs, edits, outputs (mapped: small calls write there) */
   size_t smp_host_size;
   void *smp_greedy; /* the greedy fast path's per-row counters and chunk partials (zeroed) */
-  /* the RMSNorm hand-off between fused decode GEMVs (cu_matmul_fused): two buffers of partial
-   * sums (a GEMV may read one while writing the other) and what the last producer left */
-  float *ho_ss[2]; /* [2 rows][PD_CUDA_HO_PARTS] each */
-  int ho_buf;      /* the buffer the record points to */
-  bool ho_valid;
-  const float *ho_y, *ho_xg, *ho_g;
-  int ho_M, ho_N, ho_parts;
-  /* the 16-bit hand-off of a GLU product (pd_mm_fused.y_scratch): xconv holds y [M, K] in dt */
-  bool h16_valid;
-  const float *h16_y;
-  int h16_M, h16_K;
-  pd_dtype h16_dt;
-  /* the normed 16-bit hand-off of a residual GEMM (pd_mm_fused.norm_next, M > the GEMV rows):
-   * xconv holds RMSNorm(y [M, K]; n16_g, n16_eps) in n16_dt */
-  bool n16_valid;
-  const float *n16_y, *n16_g;
-  float n16_eps;
-  int n16_M, n16_K;
-  pd_dtype n16_dt;
-  float *acc_ws; /* the residual GEMM's partial products [splits][M][N] */
+  float *acc_ws; /* the residual GEMM's partial products [splits][M][N] (cu_linear) */
   size_t acc_ws_size;
-  /* a QKV product's RoPE and cache writes left to the next attention (pd_mm_fused.attn_next):
-   * rope_kv_write's arguments, the layer's cache pointers and shape copied */
-  bool rk_valid;
-  float *rk_q_out;
-  const float *rk_qkv, *rk_inv_freq;
-  const int32_t *rk_pos, *rk_slots;
-  pd_kv_layer rk_kv;
-  pd_kv_shape rk_shape;
-  int rk_M, rk_nq;
+  float *xfin; /* f32 rows of an act whose norm is finished outside a GEMV */
+  size_t xfin_size;
   /* KV staging (cuda_kvstage.cu) */
   void *stage_dev;
   size_t stage_dev_size;

@@ -6,10 +6,3 @@ foreach(model pycoder-draft-2m pycoder-qwen2-4m tiny-random-llama31)
   set_tests_properties(test_model_golden_${model} PROPERTIES LABELS golden TIMEOUT 300
                        SKIP_RETURN_CODE 77)
 endforeach()
-# The same through the engine's fused layer path (the CPU backend given a matmul_fused made of
-# its own ops): the path GPUs take, checked without one.
-foreach(model pycoder-12m pycoder-draft-2m pycoder-qwen2-4m tiny-random-llama31)
-  add_test(NAME test_model_golden_fused_${model} COMMAND test_model_golden ${model} fused)
-  set_tests_properties(test_model_golden_fused_${model} PROPERTIES LABELS golden TIMEOUT 300
-                       SKIP_RETURN_CODE 77)
-endforeach()

@@ -4,10 +4,7 @@
  *   - argmax at every prompt position (where our top-2 gap leaves no doubt), logsumexp < 1e-3
  *   - 48 greedy tokens equal up to the first near-tie (reference top-2 gap < 0.02)
  * and the same results when the prompt is fed in small chunks through a shuffled block table
- * (chunked prefill over pages out of order). Usage: test_model_golden <model-name> [fused].
- * "fused": the CPU backend gets a matmul_fused op made of its own ops (norm, matmul, add,
- * SwiGLU), so the engine's fused layer path (the one GPUs take: residual adds in the matmuls,
- * each norm with the matmul after it) is checked against the same goldens without a GPU. */
+ * (chunked prefill over pages out of order). Usage: test_model_golden <model-name>. */
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdbool.h>
@@ -20,43 +17,6 @@
 #include "pd_test.h"
 
 #define MAX_CTX GOLDEN_MAX_CTX
-
-/* pd_mm_fused by composition of the backend's plain ops (the hand-off hint is ignored). */
-static float *g_acc_tmp;
-static size_t g_acc_n;
-static void composed_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
-  const float *x = p->x;
-  if (p->norm_w) {
-    be->ops.rmsnorm(be, p->xn, p->x, p->norm_w, p->eps, p->M, p->K);
-    x = p->xn;
-  }
-  switch (p->epilogue) {
-  case PD_MM_STORE:
-    be->ops.matmul(be, p->y, x, p->w, p->wdt, p->bias, p->M, p->N, p->K);
-    break;
-  case PD_MM_ACCUMULATE: {
-    const size_t n = (size_t)p->M * p->N;
-    if (n > g_acc_n) {
-      free(g_acc_tmp);
-      REQUIRE((g_acc_tmp = malloc(n * sizeof *g_acc_tmp)));
-      g_acc_n = n;
-    }
-    be->ops.matmul(be, g_acc_tmp, x, p->w, p->wdt, p->bias, p->M, p->N, p->K);
-    be->ops.add(be, p->y, g_acc_tmp, n);
-    break;
-  }
-  case PD_MM_GLU:
-    be->ops.matmul(be, p->gu, x, p->w, p->wdt, p->bias, p->M, p->N, p->K);
-    be->ops.swiglu(be, p->y, p->gu, p->M, p->N / 2);
-    break;
-  case PD_MM_ROPE_KV: /* the engine fuses QKV only on backends with rope_kv_write */
-    REQUIRE(be->ops.rope_kv_write);
-    be->ops.matmul(be, p->y, x, p->w, p->wdt, p->bias, p->M, p->N, p->K);
-    be->ops.rope_kv_write(be, p->q_out, p->y, p->pos, p->inv_freq, p->kv, p->shape, p->slots,
-                          p->M, p->n_q_heads);
-    break;
-  }
-}
 
 /* Runs one case: prompt fed in `chunk`-token pieces through block table `bt`, then greedy. */
 static void run_case(pd_engine *eng, const pd_model_config *cfg, const char *gdir,
@@ -120,8 +80,7 @@ static void run_case(pd_engine *eng, const pd_model_config *cfg, const char *gdi
 }
 
 int main(int argc, char **argv) {
-  REQUIRE(argc == 2 || (argc == 3 && !strcmp(argv[2], "fused")));
-  const bool fused = argc == 3;
+  REQUIRE(argc == 2);
   char mdir[2048], gdir[2048], path[4200];
   snprintf(mdir, sizeof mdir, "%s/models/%s", PD_TEST_DATA, argv[1]);
   snprintf(gdir, sizeof gdir, "%s/golden/%s", PD_TEST_DATA, argv[1]);
@@ -139,10 +98,6 @@ int main(int argc, char **argv) {
   }
   pd_backend *be = pd_backend_cpu_create(NULL, &e);
   REQUIRE(be);
-  if (fused) {
-    REQUIRE(be->host_memory && !be->ops.matmul_fused);
-    be->ops.matmul_fused = composed_matmul_fused;
-  }
   pd_engine_opts o;
   pd_engine_opts_default(&o);
   o.max_model_len = MAX_CTX;
@@ -172,7 +127,5 @@ int main(int argc, char **argv) {
   pd_model_free(m);
   cJSON_Delete(root);
   free(js);
-  free(g_acc_tmp);
-  if (fused) CHECKF(g_acc_n > 0, "the fused path was not taken");
   return pd_test_finish(argv[1]);
 }

@@ -504,57 +504,6 @@ typedef struct attn_case {
   double tol;
 } attn_case;
 
-/* The attention's output handed to the o projection (pd_attn_batch.out_scratch): attention with
- * the hint, then a residual matmul_fused reading its output, against the same matmul on the
- * output written without the hint (dout). bf16 weights take the 16-bit operand as it is (the
- * same rounding as converting dout: equal results, up to the order of the SIMT kernel's shared
- * atomics); f32 weights (16-row pages) make the
- * consumer write the output back first (y then equals dout rounded to bf16). */
-static void attn_handoff_check(const attn_case *c, int T, size_t qn, const float *dout,
-                               const float *dq, const pd_kv_layer *dl, const pd_kv_shape *sh,
-                               const pd_attn_batch *db, float scale) {
-  const int K = c->nq * c->hd, N = 96;
-  const pd_dtype wdt = c->bs == 16 ? PD_DTYPE_F32 : PD_DTYPE_BF16;
-  void *w = rand_dt(wdt, (size_t)N * K, -0.05f, 0.05f);
-  float *x0 = rand_f32((size_t)T * N, -1, 1);
-  void *dw = up(w, (size_t)N * K * pd_dtype_size(wdt));
-  float *dy1 = up(x0, (size_t)T * N * 4), *dy2 = up(x0, (size_t)T * N * 4);
-  float *dout2 = g_gpu->ops.alloc(g_gpu, qn * 4);
-  pd_attn_batch hb = *db;
-  hb.out_scratch = true;
-  g_gpu->ops.attention(g_gpu, dout2, dq, dl, sh, &hb, c->nq, scale, c->window);
-  const pd_mm_fused p2 = {.y = dy2, .x = dout2, .w = dw, .wdt = wdt, .M = T, .N = N, .K = K,
-                          .epilogue = PD_MM_ACCUMULATE};
-  g_gpu->ops.matmul_fused(g_gpu, &p2);
-  const pd_mm_fused p1 = {.y = dy1, .x = dout, .w = dw, .wdt = wdt, .M = T, .N = N, .K = K,
-                          .epilogue = PD_MM_ACCUMULATE};
-  g_gpu->ops.matmul_fused(g_gpu, &p1);
-  float *y1 = down(dy1, (size_t)T * N * 4), *y2 = down(dy2, (size_t)T * N * 4);
-  for (size_t i = 0; i < (size_t)T * N; i++) {
-    y1[i] -= x0[i];
-    y2[i] -= x0[i];
-  }
-  const bool widened = wdt == PD_DTYPE_F32 && T > 2;
-  const double ey = rel_err(y2, y1, (size_t)T * N);
-  CHECKF(ey < (widened ? 1e-2 : 1e-4), "attention %s hand-off to the o projection (%s, M %d): %.3g",
-         c->name, dtn(wdt), T, ey);
-  if (widened) {
-    float *o1 = down(dout, qn * 4), *o2 = down(dout2, qn * 4);
-    const double eo = rel_err(o2, o1, qn);
-    CHECKF(eo < 8e-3, "attention %s hand-off: output written back %.3g", c->name, eo);
-    free(o1);
-    free(o2);
-  }
-  free(w);
-  free(x0);
-  free(y1);
-  free(y2);
-  gfree(dw);
-  gfree(dy1);
-  gfree(dy2);
-  gfree(dout2);
-}
-
 /* Builds a paged cache whose blocks are handed out in shuffled order, fills the owned slots with
  * random values and everything else (tails, unused blocks, the unused block-table columns' block)
  * with NaN, runs attention on both backends and compares. */
@@ -612,7 +561,7 @@ static void run_attn(const attn_case *c) {
   float *q = rand_f32(qn, -2, 2), *ref = xmalloc(qn * 4);
   pd_kv_shape sh = {num_blocks, bs, c->nkv, c->hd, c->dt};
   pd_kv_layer hl = {kc, vc};
-  pd_attn_batch hb = {S, T, qs, c->ctx, bt, max_blocks, max_ctx, false};
+  pd_attn_batch hb = {S, T, qs, c->ctx, bt, max_blocks, max_ctx};
   const float scale = 1.0f / sqrtf((float)c->hd);
   g_cpu->ops.attention(g_cpu, ref, q, &hl, &sh, &hb, c->nq, scale, c->window);
 
@@ -620,7 +569,7 @@ static void run_attn(const attn_case *c) {
   int32_t *dqs = up(qs, (size_t)(S + 1) * 4), *dctx = up(c->ctx, (size_t)S * 4);
   int32_t *dbt = up(bt, (size_t)S * max_blocks * 4);
   float *dq = up(q, qn * 4), *dout = g_gpu->ops.alloc(g_gpu, qn * 4);
-  pd_attn_batch db = {S, T, dqs, dctx, dbt, max_blocks, max_ctx, false};
+  pd_attn_batch db = {S, T, dqs, dctx, dbt, max_blocks, max_ctx};
   g_gpu->ops.attention(g_gpu, dout, dq, &dl, &sh, &db, c->nq, scale, c->window);
   float *out = down(dout, qn * 4);
   double err = rel_err(out, ref, qn);
@@ -629,7 +578,6 @@ static void run_attn(const attn_case *c) {
          c->window, err, c->tol);
   printf("  attention %-22s seqs %4d tokens %5d heads %2d/%d hd %3d bs %2d %-4s window %4d: %.2e\n",
          c->name, S, T, c->nq, c->nkv, c->hd, bs, dtn(c->dt), c->window, err);
-  attn_handoff_check(c, T, qn, dout, dq, &dl, &sh, &db, scale);
   free(perm);
   free(bt);
   free(qs);
@@ -818,458 +766,281 @@ static void test_attention(void) {
     }
 }
 
-/* The QKV product's RoPE and cache writes left to the decode attention (pd_mm_fused.attn_next)
- * against the same calls with rope_kv_write run first: the caches bit for bit, the attention's
- * output within rounding of the same bits. Llama-3's group of 4 heads at head dim 128 and 8 at
- * 64 (on Hopper the tensor-map kernels), 80 (the cp.async kernel); 256 sequences (one block per
- * sequence and KV head: the writes in the attention) and 3 long ones (split contexts: the
- * separate kernel first); contexts of 1, 64 and 65 tokens among them (one tile or two). */
-static void test_rope_attn_defer(void) {
-  static const int lay[][3] = {{32, 8, 128}, {16, 2, 64}, {8, 4, 80}};
-  for (int l = 0; l < 3; l++)
-    for (int big = 0; big < 2; big++) {
-      const int nq = lay[l][0], nkv = lay[l][1], hd = lay[l][2], half = hd / 2, bs = 16;
-      const int S = big ? 256 : 3, K = 256, N = (nq + 2 * nkv) * hd;
-      const pd_dtype dt = l == 1 ? PD_DTYPE_F16 : PD_DTYPE_BF16;
-      int32_t *ctx = xmalloc((size_t)S * 4), *pos = xmalloc((size_t)S * 4);
-      int32_t *slots = xmalloc((size_t)S * 4), *qs = xmalloc((size_t)(S + 1) * 4);
-      int max_ctx = 0;
-      for (int s = 0; s < S; s++) {
-        ctx[s] = !big ? 900 + irand(400) : s == 3 ? 1 : s == 4 ? 64 : s == 5 ? 65
-                                           : 1 + irand(g_small ? 200 : 1200);
-        if (ctx[s] > max_ctx) max_ctx = ctx[s];
-        pos[s] = ctx[s] - 1;
-        qs[s] = s;
-      }
-      qs[S] = S;
-      const int mb = (max_ctx + bs - 1) / bs, nb = S * mb;
-      int32_t *bt = xmalloc((size_t)S * mb * 4);
-      for (int i = 0; i < S * mb; i++) bt[i] = (int32_t)(((size_t)i * 7919) % (size_t)nb);
-      for (int s = 0; s < S; s++)
-        slots[s] = s == 1 ? -1 : bt[(size_t)s * mb + pos[s] / bs] * bs + pos[s] % bs;
-      float *inv = xmalloc((size_t)half * 4);
-      for (int i = 0; i < half; i++) inv[i] = powf(500000.0f, -2.0f * i / hd);
-      const size_t ce = (size_t)nb * nkv * bs * hd, cb = ce * pd_dtype_size(dt);
-      void *cache = rand_dt(dt, ce, -1, 1);
-      void *w = rand_dt(PD_DTYPE_BF16, (size_t)N * K, -0.1f, 0.1f);
-      float *x = rand_f32((size_t)S * K, -1, 1);
-      pd_kv_shape sh = {nb, bs, nkv, hd, dt};
-      pd_kv_layer kv[2] = {{up(cache, cb), up(cache, cb)}, {up(cache, cb), up(cache, cb)}};
-      void *dw = up(w, (size_t)N * K * 2);
-      float *dx = up(x, (size_t)S * K * 4), *dinv = up(inv, (size_t)half * 4);
-      int32_t *dpos = up(pos, (size_t)S * 4), *dsl = up(slots, (size_t)S * 4);
-      int32_t *dctx = up(ctx, (size_t)S * 4), *dqs = up(qs, (size_t)(S + 1) * 4);
-      int32_t *dbt = up(bt, (size_t)S * mb * 4);
-      float *dqkv = g_gpu->ops.alloc(g_gpu, (size_t)S * N * 4);
-      float *dq = g_gpu->ops.alloc(g_gpu, (size_t)S * nq * hd * 4);
-      float *dout[2] = {g_gpu->ops.alloc(g_gpu, (size_t)S * nq * hd * 4),
-                        g_gpu->ops.alloc(g_gpu, (size_t)S * nq * hd * 4)};
-      const pd_attn_batch ab = {S, S, dqs, dctx, dbt, mb, max_ctx, false};
-      for (int r = 0; r < 2; r++) {
-        const pd_mm_fused p = {.y = dqkv, .x = dx, .w = dw, .wdt = PD_DTYPE_BF16, .M = S, .N = N,
-                               .K = K, .epilogue = PD_MM_ROPE_KV, .q_out = dq, .pos = dpos,
-                               .inv_freq = dinv, .kv = &kv[r], .shape = &sh, .slots = dsl,
-                               .n_q_heads = nq, .attn_next = r == 1};
-        g_gpu->ops.matmul_fused(g_gpu, &p);
-        g_gpu->ops.attention(g_gpu, dout[r], dq, &kv[r], &sh, &ab, nq, 1.0f / sqrtf((float)hd), 0);
-      }
-      void *k0 = down(kv[0].k, cb), *k1 = down(kv[1].k, cb), *v0 = down(kv[0].v, cb),
-           *v1 = down(kv[1].v, cb);
-      const size_t on = (size_t)S * nq * hd;
-      float *o0 = down(dout[0], on * 4), *o1 = down(dout[1], on * 4);
-      const double err = rel_err(o1, o0, on);
-      CHECKF(memcmp(k0, k1, cb) == 0 && memcmp(v0, v1, cb) == 0,
-             "RoPE + KV write in the attention (%d seqs, heads %d/%d, hd %d): the cache differs", S,
-             nq, nkv, hd);
-      CHECKF(err <= 1e-6, "RoPE + KV write in the attention (%d seqs, heads %d/%d, hd %d): output "
-             "error %.3g", S, nq, nkv, hd, err);
-      printf("  rope + kv write in the attention: seqs %3d heads %2d/%d hd %3d: cache equal, "
-             "output error %.2e\n", S, nq, nkv, hd, err);
-      free(ctx);
-      free(pos);
-      free(slots);
-      free(qs);
-      free(bt);
-      free(inv);
-      free(cache);
-      free(w);
-      free(x);
-      free(k0);
-      free(k1);
-      free(v0);
-      free(v1);
-      free(o0);
-      free(o1);
-      for (int r = 0; r < 2; r++) {
-        gfree(kv[r].k);
-        gfree(kv[r].v);
-        gfree(dout[r]);
-      }
-      gfree(dw);
-      gfree(dx);
-      gfree(dinv);
-      gfree(dpos);
-      gfree(dsl);
-      gfree(dctx);
-      gfree(dqs);
-      gfree(dbt);
-      gfree(dqkv);
-      gfree(dq);
+/* ---- the layer ops ------------------------------------------------------------------------------
+ * The GPU's layer ops (backend.h) against the CPU backend's (its primitives composed), as the
+ * engine chains them: embed_norm -> qkv_attention -> linear (o: residual + norm) -> linear (GLU)
+ * -> linear (down: residual + norm) -> linear (LM head), and the prefill ending (get_rows, norm,
+ * LM head). Each backend runs its own chain; compared after every op: the residual rows, the acts
+ * (through act_read), the KV cache and the logits. Decode batches of 1 and 2 sequences (GEMV acts
+ * with the norm pending), 3 and 256 (16-bit acts for cuBLAS), a long-context decode (the
+ * attention in splits: RoPE and cache writes as a kernel before it) and a prefill batch, for f32,
+ * f16 and bf16 weights and head dims 64, 80 and 128. */
+typedef struct lo_bufs {
+  pd_backend *be;
+  void *table, *wqkv, *wo, *wgu, *wdown, *head;
+  float *attn_norm, *ffn_norm, *next_norm, *final_norm, *bqkv, *bo, *bgu, *bdown, *inv;
+  int32_t *ids, *pos, *slots, *qs, *ctx, *bt, *rows;
+  pd_kv_layer kv;
+  float *x, *qkv, *q, *scratch, *logits, *sel;
+  pd_act act[2];
+} lo_bufs;
+
+typedef struct lo_snap {
+  float *x0, *a0, *h_attn, *x1, *a1, *h_glu, *x2, *a2, *logits, *rows_logits;
+  void *kc, *vc;
+} lo_snap;
+
+static void *lo_put(pd_backend *be, const void *h, size_t bytes) {
+  void *d = be->ops.alloc(be, bytes ? bytes : 1);
+  REQUIRE(d);
+  if (bytes) be->ops.to_device(be, d, h, bytes);
+  return d;
+}
+static float *lo_get(pd_backend *be, const void *d, size_t n) {
+  float *h = xmalloc(n * sizeof(float));
+  be->ops.to_host(be, h, d, n * sizeof(float));
+  return h;
+}
+static float *lo_act(pd_backend *be, const pd_act *a) {
+  float *h = xmalloc((size_t)a->M * a->K * sizeof(float) + 4);
+  be->ops.act_read(be, h, a);
+  return h;
+}
+
+static void run_layer_case(const char *name, int S, const int *n_new, const int *ctx, int nq,
+                           int nkv, int hd, pd_dtype wdt, pd_dtype kvdt, bool bias) {
+  const int D = 256, F = 320, V = 300, bs = 16, qd = nq * hd, kd = nkv * hd, N = qd + 2 * kd;
+  int M = 0, max_ctx = 0, mb = 1, nb = 0;
+  for (int s = 0; s < S; s++) {
+    M += n_new[s];
+    if (ctx[s] > max_ctx) max_ctx = ctx[s];
+    const int b = (ctx[s] + bs - 1) / bs;
+    if (b > mb) mb = b;
+    nb += b;
+  }
+  nb += 1;
+  /* host inputs */
+  const size_t es = pd_dtype_size(wdt);
+  void *table = rand_dt(wdt, (size_t)V * D, -1, 1);
+  void *wqkv = rand_dt(wdt, (size_t)N * D, -0.08f, 0.08f), *wo = rand_dt(wdt, (size_t)D * qd, -0.08f, 0.08f);
+  void *wgu = rand_dt(wdt, (size_t)2 * F * D, -0.08f, 0.08f), *wdown = rand_dt(wdt, (size_t)D * F, -0.08f, 0.08f);
+  void *head = rand_dt(wdt, (size_t)V * D, -0.08f, 0.08f);
+  float *an = rand_f32(D, 0.5f, 1.5f), *fn = rand_f32(D, 0.5f, 1.5f), *nn = rand_f32(D, 0.5f, 1.5f);
+  float *finn = rand_f32(D, 0.5f, 1.5f);
+  float *bqkv = rand_f32(N, -0.1f, 0.1f), *bo = rand_f32(D, -0.1f, 0.1f);
+  float *bgu = rand_f32(2 * F, -0.1f, 0.1f), *bdown = rand_f32(D, -0.1f, 0.1f);
+  float *inv = xmalloc((size_t)hd / 2 * 4);
+  for (int i = 0; i < hd / 2; i++) inv[i] = powf(500000.0f, -2.0f * i / hd);
+  int32_t *ids = xmalloc((size_t)M * 4), *pos = xmalloc((size_t)M * 4), *slots = xmalloc((size_t)M * 4);
+  int32_t *qs = xmalloc((size_t)(S + 1) * 4), *bt = xmalloc((size_t)S * mb * 4);
+  int32_t rows[2] = {M - 1, 0};
+  const int n_rows = M > 1 ? 2 : 1;
+  int next = 0, t = 0;
+  qs[0] = 0;
+  for (int s = 0; s < S; s++) {
+    for (int j = 0; j < mb; j++)
+      bt[(size_t)s * mb + j] = j < (ctx[s] + bs - 1) / bs ? (next++ + 5) % (nb - 1) : nb - 1;
+    for (int i = 0; i < n_new[s]; i++, t++) {
+      ids[t] = irand(V);
+      pos[t] = ctx[s] - n_new[s] + i;
+      slots[t] = bt[(size_t)s * mb + pos[t] / bs] * bs + pos[t] % bs;
     }
+    qs[s + 1] = t;
+  }
+  const size_t ce = (size_t)nb * nkv * bs * hd, cb = ce * pd_dtype_size(kvdt);
+  void *kc = rand_dt(kvdt, ce, -1, 1), *vc = rand_dt(kvdt, ce, -1, 1);
+  const pd_kv_shape sh = {nb, bs, nkv, hd, kvdt};
+  int kmax = D > F ? D : F;
+  if (qd > kmax) kmax = qd;
+  const float eps = 1e-5f, scale = 1.0f / sqrtf((float)hd);
+  lo_snap snap[2];
+  for (int side = 0; side < 2; side++) {
+    pd_backend *be = side ? g_gpu : g_cpu;
+    lo_bufs b = {.be = be};
+    b.table = lo_put(be, table, (size_t)V * D * es);
+    b.wqkv = lo_put(be, wqkv, (size_t)N * D * es);
+    b.wo = lo_put(be, wo, (size_t)D * qd * es);
+    b.wgu = lo_put(be, wgu, (size_t)2 * F * D * es);
+    b.wdown = lo_put(be, wdown, (size_t)D * F * es);
+    b.head = lo_put(be, head, (size_t)V * D * es);
+    b.attn_norm = lo_put(be, an, D * 4);
+    b.ffn_norm = lo_put(be, fn, D * 4);
+    b.next_norm = lo_put(be, nn, D * 4);
+    b.final_norm = lo_put(be, finn, D * 4);
+    b.bqkv = bias ? lo_put(be, bqkv, (size_t)N * 4) : NULL;
+    b.bo = bias ? lo_put(be, bo, D * 4) : NULL;
+    b.bgu = bias ? lo_put(be, bgu, (size_t)2 * F * 4) : NULL;
+    b.bdown = bias ? lo_put(be, bdown, D * 4) : NULL;
+    b.inv = lo_put(be, inv, (size_t)hd / 2 * 4);
+    b.ids = lo_put(be, ids, (size_t)M * 4);
+    b.pos = lo_put(be, pos, (size_t)M * 4);
+    b.slots = lo_put(be, slots, (size_t)M * 4);
+    b.qs = lo_put(be, qs, (size_t)(S + 1) * 4);
+    b.ctx = lo_put(be, ctx, (size_t)S * 4);
+    b.bt = lo_put(be, bt, (size_t)S * mb * 4);
+    b.rows = lo_put(be, rows, sizeof rows);
+    b.kv.k = lo_put(be, kc, cb);
+    b.kv.v = lo_put(be, vc, cb);
+    b.x = be->ops.alloc(be, (size_t)M * D * 4);
+    b.qkv = be->ops.alloc(be, (size_t)M * N * 4);
+    b.q = be->ops.alloc(be, (size_t)M * qd * 4);
+    b.scratch = be->ops.alloc(be, (size_t)M * 2 * F * 4);
+    b.logits = be->ops.alloc(be, (size_t)M * V * 4);
+    b.sel = be->ops.alloc(be, (size_t)M * D * 4);
+    REQUIRE(b.x && b.qkv && b.q && b.scratch && b.logits && b.sel);
+    for (int i = 0; i < 2; i++) REQUIRE((b.act[i].data = be->ops.alloc(be, be->ops.act_bytes(be, M, kmax))));
+    pd_act *a = &b.act[0], *h = &b.act[1];
+    lo_snap *sn = &snap[side];
+    const pd_wdesc Wqkv = {wdt, b.wqkv, N, D}, Wo = {wdt, b.wo, D, qd}, Wgu = {wdt, b.wgu, 2 * F, D},
+                   Wdown = {wdt, b.wdown, D, F}, Whead = {wdt, b.head, V, D};
+    be->ops.embed_norm(be, b.x, a, b.table, wdt, b.ids, M, D, b.attn_norm, eps, wdt);
+    sn->x0 = lo_get(be, b.x, (size_t)M * D);
+    sn->a0 = lo_act(be, a);
+    const pd_attn_batch ab = {S, M, b.qs, b.ctx, b.bt, mb, max_ctx};
+    const pd_qkv_attn at = {.in = a, .w = Wqkv, .bias = b.bqkv, .pos = b.pos, .inv_freq = b.inv,
+                            .kv = &b.kv, .shape = &sh, .slots = b.slots, .batch = &ab,
+                            .n_q_heads = nq, .scale = scale, .out = h, .out_wdtype = wdt,
+                            .qkv = b.qkv, .q = b.q};
+    be->ops.qkv_attention(be, &at);
+    sn->h_attn = lo_act(be, h);
+    sn->kc = xmalloc(cb);
+    sn->vc = xmalloc(cb);
+    be->ops.to_host(be, sn->kc, b.kv.k, cb);
+    be->ops.to_host(be, sn->vc, b.kv.v, cb);
+    const pd_linear o = {.in = h, .w = Wo, .bias = b.bo, .epilogue = PD_LIN_RESIDUAL, .y = b.x,
+                         .out = a, .norm_w = b.ffn_norm, .eps = eps, .out_wdtype = wdt,
+                         .scratch = b.scratch};
+    be->ops.linear(be, &o);
+    sn->x1 = lo_get(be, b.x, (size_t)M * D);
+    sn->a1 = lo_act(be, a);
+    const pd_linear gu = {.in = a, .w = Wgu, .bias = b.bgu, .epilogue = PD_LIN_GLU, .out = h,
+                          .out_wdtype = wdt, .scratch = b.scratch};
+    be->ops.linear(be, &gu);
+    sn->h_glu = lo_act(be, h);
+    const pd_linear dn = {.in = h, .w = Wdown, .bias = b.bdown, .epilogue = PD_LIN_RESIDUAL,
+                          .y = b.x, .out = a, .norm_w = b.next_norm, .eps = eps,
+                          .out_wdtype = wdt, .scratch = b.scratch};
+    be->ops.linear(be, &dn);
+    sn->x2 = lo_get(be, b.x, (size_t)M * D);
+    sn->a2 = lo_act(be, a);
+    const pd_linear hd_all = {.in = a, .w = Whead, .epilogue = PD_LIN_STORE, .y = b.logits,
+                              .scratch = b.scratch};
+    be->ops.linear(be, &hd_all);
+    sn->logits = lo_get(be, b.logits, (size_t)M * V);
+    /* the prefill ending: a residual without a norm, the chosen rows, their norm, the head */
+    const pd_linear dn2 = {.in = h, .w = Wdown, .bias = b.bdown, .epilogue = PD_LIN_RESIDUAL,
+                           .y = b.x, .scratch = b.scratch};
+    be->ops.linear(be, &dn2);
+    be->ops.get_rows(be, b.sel, b.x, b.rows, n_rows, D);
+    be->ops.norm(be, a, b.sel, b.final_norm, eps, n_rows, D, wdt);
+    const pd_linear hd_rows = {.in = a, .w = Whead, .epilogue = PD_LIN_STORE, .y = b.logits,
+                               .scratch = b.scratch};
+    be->ops.linear(be, &hd_rows);
+    sn->rows_logits = lo_get(be, b.logits, (size_t)n_rows * V);
+    be->ops.sync(be);
+    void *all[] = {b.table, b.wqkv, b.wo, b.wgu, b.wdown, b.head, b.attn_norm, b.ffn_norm,
+                   b.next_norm, b.final_norm, b.bqkv, b.bo, b.bgu, b.bdown, b.inv, b.ids, b.pos,
+                   b.slots, b.qs, b.ctx, b.bt, b.rows, b.kv.k, b.kv.v, b.x, b.qkv, b.q,
+                   b.scratch, b.logits, b.sel, b.act[0].data, b.act[1].data};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+      if (all[i]) be->ops.free(be, all[i]);
+  }
+  /* 16-bit operands round what f32 keeps; f32 weights: cuBLAS in TF32, 16-bit caches */
+  const double tol = wdt == PD_DTYPE_F32 ? 1e-2 : 3e-2; /* (the caches are 16-bit) */
+  struct {
+    const char *what;
+    float *g, *c;
+    size_t n;
+  } cmp[] = {{"embed rows", snap[1].x0, snap[0].x0, (size_t)M * D},
+             {"embed norm", snap[1].a0, snap[0].a0, (size_t)M * D},
+             {"attention", snap[1].h_attn, snap[0].h_attn, (size_t)M * qd},
+             {"o residual", snap[1].x1, snap[0].x1, (size_t)M * D},
+             {"o norm", snap[1].a1, snap[0].a1, (size_t)M * D},
+             {"glu", snap[1].h_glu, snap[0].h_glu, (size_t)M * F},
+             {"down residual", snap[1].x2, snap[0].x2, (size_t)M * D},
+             {"down norm", snap[1].a2, snap[0].a2, (size_t)M * D},
+             {"head", snap[1].logits, snap[0].logits, (size_t)M * V},
+             {"rows head", snap[1].rows_logits, snap[0].rows_logits, (size_t)n_rows * V}};
+  double worst = 0;
+  for (size_t i = 0; i < sizeof cmp / sizeof cmp[0]; i++) {
+    const double err = rel_err(cmp[i].g, cmp[i].c, cmp[i].n);
+    CHECKF(err < tol, "layer ops %s (M %d, seqs %d, heads %d/%d, hd %d, %s, bias %d): %s error "
+           "%.3g (tolerance %.1g)", name, M, S, nq, nkv, hd, dtn(wdt), bias, cmp[i].what, err, tol);
+    if (err > worst) worst = err;
+    free(cmp[i].g);
+    free(cmp[i].c);
+  }
+  /* the cache: the rows written, converted to f32 */
+  float *k0 = xmalloc(ce * 4), *k1 = xmalloc(ce * 4), *v0 = xmalloc(ce * 4), *v1 = xmalloc(ce * 4);
+  pd_convert_to_f32(k0, snap[0].kc, kvdt, ce);
+  pd_convert_to_f32(k1, snap[1].kc, kvdt, ce);
+  pd_convert_to_f32(v0, snap[0].vc, kvdt, ce);
+  pd_convert_to_f32(v1, snap[1].vc, kvdt, ce);
+  const double ek = rel_err(k1, k0, ce), ev = rel_err(v1, v0, ce);
+  CHECKF(ek < tol && ev < tol, "layer ops %s (M %d, hd %d, %s): cache error k %.3g v %.3g", name,
+         M, hd, dtn(wdt), ek, ev);
+  printf("  layer ops %-14s M %4d seqs %3d heads %2d/%d hd %3d %-4s bias %d: worst %.2e, cache "
+         "%.2e / %.2e\n", name, M, S, nq, nkv, hd, dtn(wdt), bias, worst, ek, ev);
+  for (int i = 0; i < 2; i++) {
+    free(snap[i].kc);
+    free(snap[i].vc);
+  }
+  free(k0);
+  free(k1);
+  free(v0);
+  free(v1);
+  free(table);
+  free(wqkv);
+  free(wo);
+  free(wgu);
+  free(wdown);
+  free(head);
+  free(an);
+  free(fn);
+  free(nn);
+  free(finn);
+  free(bqkv);
+  free(bo);
+  free(bgu);
+  free(bdown);
+  free(inv);
+  free(ids);
+  free(pos);
+  free(slots);
+  free(qs);
+  free(bt);
+  free(kc);
+  free(vc);
 }
 
-/* matmul_fused against the GPU's separate ops (rmsnorm, matmul, add, swiglu, rope_kv_write),
- * each checked against the CPU above: every epilogue, with and without the norm and the bias,
- * on decode rows (M <= 2: the fused GEMV kernels) and M = 5 (cuBLAS and separate kernels inside
- * the op: the same bits, but for the GLU's 16-bit gate/up product). */
-static void test_mm_fused(void) {
-  static const int shapes[][2] = {{1, 4096}, {2, 1024}, {1, 1003}, {5, 512}};
-  for (int si = 0; si < 4; si++)
-    for (int d = 0; d < 3; d++)
-      for (int ep = 0; ep < 4; ep++)
-        for (int variant = 0; variant < 2; variant++) {
-          const int M = shapes[si][0], K = shapes[si][1];
-          const pd_dtype wdt = k_dts[d];
-          const bool norm = variant == 0 || ep == PD_MM_ROPE_KV, bias = variant == 1;
-          /* qkv of 6 q heads and 2 kv heads of 64 (head dim 64 / 80 / 128 by dtype) */
-          const int hd = d == 0 ? 64 : d == 1 ? 80 : 128, nq = 6, nkv = 2, bs = 16, nb = 4;
-          const int N = ep == PD_MM_ROPE_KV ? (nq + 2 * nkv) * hd : ep == PD_MM_GLU ? 2 * 777 : 1500;
-          const int NO = ep == PD_MM_GLU ? N / 2 : N; /* output columns */
-          void *w = rand_dt(wdt, (size_t)N * K, -0.05f, 0.05f);
-          float *x = rand_f32((size_t)M * K, -2, 2), *g = rand_f32((size_t)K, 0.5f, 1.5f);
-          float *b = bias ? rand_f32((size_t)N, -1, 1) : NULL;
-          float *y0 = rand_f32((size_t)M * NO, -1, 1);
-          void *dw = up(w, (size_t)N * K * pd_dtype_size(wdt));
-          float *dx = up(x, (size_t)M * K * 4), *dg = up(g, (size_t)K * 4);
-          float *db = b ? up(b, (size_t)N * 4) : NULL;
-          float *dxn = g_gpu->ops.alloc(g_gpu, (size_t)M * K * 4);
-          float *dgu = g_gpu->ops.alloc(g_gpu, (size_t)M * N * 4);
-          float *dy1 = up(y0, (size_t)M * NO * 4), *dy2 = up(y0, (size_t)M * NO * 4);
-          float *dq1 = g_gpu->ops.alloc(g_gpu, (size_t)M * nq * hd * 4);
-          float *dq2 = g_gpu->ops.alloc(g_gpu, (size_t)M * nq * hd * 4);
-          /* rope_kv_write inputs */
-          float *inv = xmalloc((size_t)hd / 2 * 4);
-          for (int i = 0; i < hd / 2; i++) inv[i] = powf(10000.0f, -2.0f * i / hd);
-          int32_t pos[5], slots[5];
-          for (int i = 0; i < M; i++) {
-            pos[i] = irand(9000);
-            slots[i] = i == 1 ? -1 : i * 12 + irand(12); /* distinct, < nb * bs */
-          }
-          const pd_kv_shape sh = {nb, bs, nkv, hd, wdt};
-          const size_t cb = (size_t)nb * nkv * bs * hd * pd_dtype_size(wdt);
-          void *cache = rand_dt(wdt, cb / pd_dtype_size(wdt), -1, 1);
-          pd_kv_layer kv1 = {up(cache, cb), up(cache, cb)}, kv2 = {up(cache, cb), up(cache, cb)};
-          float *dinv = up(inv, (size_t)hd / 2 * 4);
-          int32_t *dpos = up(pos, sizeof pos), *dsl = up(slots, sizeof slots);
-
-          /* reference: the separate ops */
-          const float *xin = dx;
-          if (norm) {
-            g_gpu->ops.rmsnorm(g_gpu, dxn, dx, dg, 1e-5f, M, K);
-            xin = dxn;
-          }
-          if (ep == PD_MM_STORE) {
-            g_gpu->ops.matmul(g_gpu, dy1, xin, dw, wdt, db, M, N, K);
-          } else if (ep == PD_MM_ACCUMULATE) {
-            g_gpu->ops.matmul(g_gpu, dgu, xin, dw, wdt, db, M, N, K);
-            g_gpu->ops.add(g_gpu, dy1, dgu, (size_t)M * N);
-          } else if (ep == PD_MM_GLU) {
-            g_gpu->ops.matmul(g_gpu, dgu, xin, dw, wdt, db, M, N, K);
-            g_gpu->ops.swiglu(g_gpu, dy1, dgu, M, N / 2);
-          } else {
-            g_gpu->ops.matmul(g_gpu, dgu, xin, dw, wdt, db, M, N, K);
-            g_gpu->ops.rope_kv_write(g_gpu, dq1, dgu, dpos, dinv, &kv1, &sh, dsl, M, nq);
-          }
-          /* fused (the scratch buffers get garbage first: the op must not read them) */
-          g_gpu->ops.to_device(g_gpu, dxn, y0, (size_t)(M * K < M * NO ? M * K : M * NO) * 4);
-          const pd_mm_fused p = {.y = ep == PD_MM_ROPE_KV ? dgu : dy2, .x = dx, .w = dw, .wdt = wdt,
-                                 .bias = db, .M = M, .N = N, .K = K, .norm_w = norm ? dg : NULL,
-                                 .eps = 1e-5f, .xn = dxn, .epilogue = (pd_mm_epilogue)ep,
-                                 .gu = dgu, .q_out = dq2, .pos = dpos, .inv_freq = dinv,
-                                 .kv = &kv2, .shape = &sh, .slots = dsl, .n_q_heads = nq};
-          REQUIRE(g_gpu->ops.matmul_fused);
-          g_gpu->ops.matmul_fused(g_gpu, &p);
-
-          double err;
-          /* M <= 2 sums in another order (and folds the norm's scale in at the end); M > 2 with
-           * 16-bit weights keeps the GLU's gate and up in 16 bits (cuBLAS's output type) and
-           * normalises straight into the 16-bit operand (the norm's sum may round differently:
-           * a 16-bit operand one unit apart) */
-          const double tol = M <= 2 ? 2e-4 : ep == PD_MM_GLU && wdt != PD_DTYPE_F32 ? 1.5e-2 : 1e-4;
-          if (ep != PD_MM_ROPE_KV) {
-            float *r = down(dy1, (size_t)M * NO * 4), *o = down(dy2, (size_t)M * NO * 4);
-            err = rel_err(o, r, (size_t)M * NO);
-            free(r);
-            free(o);
-          } else {
-            float *r = down(dq1, (size_t)M * nq * hd * 4), *o = down(dq2, (size_t)M * nq * hd * 4);
-            err = rel_err(o, r, (size_t)M * nq * hd);
-            free(r);
-            free(o);
-            /* the caches: rows M <= 2 may round to the neighbouring 16-bit value */
-            const double ctol = wdt == PD_DTYPE_F32 ? 2e-4 : 8e-3;
-            void *ref_c[2] = {down(kv1.k, cb), down(kv1.v, cb)};
-            void *got_c[2] = {down(kv2.k, cb), down(kv2.v, cb)};
-            for (int t = 0; t < 2; t++) {
-              size_t n = cb / pd_dtype_size(wdt);
-              float *rf = xmalloc(n * 4), *gf = xmalloc(n * 4);
-              for (size_t i = 0; i < n; i++) {
-                rf[i] = wdt == PD_DTYPE_F32 ? ((float *)ref_c[t])[i]
-                        : wdt == PD_DTYPE_BF16 ? pd_bf16_to_f32(((uint16_t *)ref_c[t])[i])
-                                               : pd_f16_to_f32(((uint16_t *)ref_c[t])[i]);
-                gf[i] = wdt == PD_DTYPE_F32 ? ((float *)got_c[t])[i]
-                        : wdt == PD_DTYPE_BF16 ? pd_bf16_to_f32(((uint16_t *)got_c[t])[i])
-                                               : pd_f16_to_f32(((uint16_t *)got_c[t])[i]);
-              }
-              const double ce = rel_err(gf, rf, n);
-              CHECKF(ce <= ctol, "matmul_fused rope_kv M=%d K=%d %s: %s cache err %.3g", M, K,
-                     dtn(wdt), t ? "v" : "k", ce);
-              free(rf);
-              free(gf);
-              free(ref_c[t]);
-              free(got_c[t]);
-            }
-          }
-          CHECKF(err < tol, "matmul_fused ep=%d M=%d N=%d K=%d %s norm=%d bias=%d: %.3g", ep, M,
-                 N, K, dtn(wdt), norm, bias, err);
-          free(w);
-          free(x);
-          free(g);
-          free(b);
-          free(y0);
-          free(inv);
-          free(cache);
-          gfree(dw);
-          gfree(dx);
-          gfree(dg);
-          if (db) gfree(db);
-          gfree(dxn);
-          gfree(dgu);
-          gfree(dy1);
-          gfree(dy2);
-          gfree(dq1);
-          gfree(dq2);
-          gfree(kv1.k);
-          gfree(kv1.v);
-          gfree(kv2.k);
-          gfree(kv2.v);
-          gfree(dinv);
-          gfree(dpos);
-          gfree(dsl);
-        }
-}
-
-/* The RMSNorm hand-off of matmul_fused: a residual GEMV (y += a W1^T, norm_next = g, xg) then a
- * GEMV with norm_w = g reading the hand-off, against the separate ops; the second call also
- * with a different norm pointer (no hand-off taken), and with M = 5 (none made). */
-static void test_mm_handoff(void) {
-  static const int Ms[3] = {1, 2, 5};
-  for (int mi = 0; mi < 3; mi++)
-    for (int d = 0; d < 3; d++)
-      for (int ep = 0; ep < 3; ep++) { /* consumer: STORE, GLU (ep 1), STORE via other norm */
-        /* M = 5 with 16-bit weights: the residual GEMM's partial sums, residual add and norm
-         * in one kernel (its K halves as a batched GEMM at K1 = 8192) */
-        const int M = Ms[mi], D = 2048, K1 = mi == 2 && ep == 0 ? 8192 : 1024,
-                  N2 = ep == 1 ? 2 * 1000 : 3000;
-        const pd_dtype wdt = k_dts[d];
-        void *w1 = rand_dt(wdt, (size_t)D * K1, -0.05f, 0.05f);
-        void *w2 = rand_dt(wdt, (size_t)N2 * D, -0.05f, 0.05f);
-        float *a = rand_f32((size_t)M * K1, -1, 1), *x0 = rand_f32((size_t)M * D, -2, 2);
-        float *g = rand_f32((size_t)D, 0.5f, 1.5f), *b1 = rand_f32((size_t)D, -1, 1);
-        const int NO = ep == 1 ? N2 / 2 : N2;
-        void *dw1 = up(w1, (size_t)D * K1 * pd_dtype_size(wdt));
-        void *dw2 = up(w2, (size_t)N2 * D * pd_dtype_size(wdt));
-        float *da = up(a, (size_t)M * K1 * 4), *dg = up(g, (size_t)D * 4), *dg2 = up(g, (size_t)D * 4);
-        float *db1 = up(b1, (size_t)D * 4);
-        float *dx1 = up(x0, (size_t)M * D * 4), *dx2 = up(x0, (size_t)M * D * 4);
-        float *dt = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
-        float *dxn = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
-        float *dxg = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
-        float *dgu = g_gpu->ops.alloc(g_gpu, (size_t)M * N2 * 4);
-        float *dy1 = g_gpu->ops.alloc(g_gpu, (size_t)M * NO * 4);
-        float *dy2 = g_gpu->ops.alloc(g_gpu, (size_t)M * NO * 4);
-        /* reference */
-        g_gpu->ops.matmul(g_gpu, dt, da, dw1, wdt, db1, M, D, K1);
-        g_gpu->ops.add(g_gpu, dx1, dt, (size_t)M * D);
-        g_gpu->ops.rmsnorm(g_gpu, dxn, dx1, dg, 1e-6f, M, D);
-        if (ep == 1) {
-          g_gpu->ops.matmul(g_gpu, dgu, dxn, dw2, wdt, NULL, M, N2, D);
-          g_gpu->ops.swiglu(g_gpu, dy1, dgu, M, N2 / 2);
-        } else {
-          g_gpu->ops.matmul(g_gpu, dy1, dxn, dw2, wdt, NULL, M, N2, D);
-        }
-        /* fused pair */
-        const pd_mm_fused p1 = {.y = dx2, .x = da, .w = dw1, .wdt = wdt, .bias = db1, .M = M,
-                                .N = D, .K = K1, .epilogue = PD_MM_ACCUMULATE, .norm_next = dg,
-                                .eps = 1e-6f, .xg = dxg};
-        g_gpu->ops.matmul_fused(g_gpu, &p1);
-        const pd_mm_fused p2 = {.y = dy2, .x = dx2, .w = dw2, .wdt = wdt, .M = M, .N = N2, .K = D,
-                                .norm_w = ep == 2 ? dg2 : dg, .eps = 1e-6f, .xn = dxn,
-                                .epilogue = ep == 1 ? PD_MM_GLU : PD_MM_STORE, .gu = dgu,
-                                .xg = dxg};
-        g_gpu->ops.matmul_fused(g_gpu, &p2);
-        float *x1 = down(dx1, (size_t)M * D * 4), *x2 = down(dx2, (size_t)M * D * 4);
-        float *y1 = down(dy1, (size_t)M * NO * 4), *y2 = down(dy2, (size_t)M * NO * 4);
-        const double ex = rel_err(x2, x1, (size_t)M * D), ey = rel_err(y2, y1, (size_t)M * NO);
-        const double tol = M <= 2 ? 2e-4 : ep == 1 && wdt != PD_DTYPE_F32 ? 1.5e-2 : 1e-4;
-        CHECKF(ex < tol && ey < tol, "matmul_fused hand-off M=%d %s consumer %d: x %.3g y %.3g", M,
-               dtn(wdt), ep, ex, ey);
-        free(w1);
-        free(w2);
-        free(a);
-        free(x0);
-        free(g);
-        free(b1);
-        free(x1);
-        free(x2);
-        free(y1);
-        free(y2);
-        gfree(dw1);
-        gfree(dw2);
-        gfree(da);
-        gfree(dg);
-        gfree(dg2);
-        gfree(db1);
-        gfree(dx1);
-        gfree(dx2);
-        gfree(dt);
-        gfree(dxn);
-        gfree(dxg);
-        gfree(dgu);
-        gfree(dy1);
-        gfree(dy2);
+static void test_layer_ops(void) {
+  static int n1[256], ctx[256];
+  static const int lay[][3] = {{8, 2, 64}, {4, 2, 80}, {4, 1, 128}};
+  const int decode_sizes[] = {1, 2, 3, 256};
+  for (int d = 0; d < 3; d++)
+    for (int si = 0; si < 4; si++) {
+      const int S = decode_sizes[si], l = (d + si) % 3;
+      for (int s = 0; s < S; s++) {
+        n1[s] = 1;
+        ctx[s] = 1 + irand(g_small ? 100 : 300);
       }
-}
-
-/* embed_fused: the embedding with the RMSNorm hand-off, then a GEMV with norm_w reading it (as
- * the first layer's QKV does), against embed, rmsnorm and matmul: the embedded rows bit for bit,
- * the product within the hand-off's rounding; M = 3 makes no hand-off, D = 1004 takes the
- * embedding's scalar path for 16-bit tables (whose consumer then runs a norm kernel). */
-static void test_embed_handoff(void) {
-  REQUIRE(g_gpu->ops.embed_fused);
-  static const int Ms[3] = {1, 2, 3}, Ds[2] = {4096, 1004};
-  const int V = 500, N = 1536;
-  for (int mi = 0; mi < 3; mi++)
-    for (int di = 0; di < 2; di++)
-      for (int d = 0; d < 3; d++) {
-        const int M = Ms[mi], D = Ds[di];
-        const pd_dtype dt = k_dts[d];
-        int32_t ids[3] = {irand(V), V - 1, 0};
-        void *tab = rand_dt(dt, (size_t)V * D, -2, 2);
-        void *w = rand_dt(dt, (size_t)N * D, -0.05f, 0.05f);
-        float *g = rand_f32((size_t)D, 0.5f, 1.5f);
-        void *dtab = up(tab, (size_t)V * D * pd_dtype_size(dt));
-        void *dw = up(w, (size_t)N * D * pd_dtype_size(dt));
-        float *dg = up(g, (size_t)D * 4);
-        int32_t *did = up(ids, sizeof ids);
-        float *dx1 = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
-        float *dx2 = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
-        float *dxn = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
-        float *dxg = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
-        float *dy1 = g_gpu->ops.alloc(g_gpu, (size_t)M * N * 4);
-        float *dy2 = g_gpu->ops.alloc(g_gpu, (size_t)M * N * 4);
-        g_gpu->ops.embed(g_gpu, dx1, dtab, dt, did, M, D);
-        g_gpu->ops.rmsnorm(g_gpu, dxn, dx1, dg, 1e-5f, M, D);
-        g_gpu->ops.matmul(g_gpu, dy1, dxn, dw, dt, NULL, M, N, D);
-        g_gpu->ops.embed_fused(g_gpu, dx2, dtab, dt, did, M, D, dg, dxg);
-        const pd_mm_fused p = {.y = dy2, .x = dx2, .w = dw, .wdt = dt, .M = M, .N = N, .K = D,
-                               .norm_w = dg, .eps = 1e-5f, .xn = dxn, .epilogue = PD_MM_STORE,
-                               .xg = dxg};
-        g_gpu->ops.matmul_fused(g_gpu, &p);
-        float *x1 = down(dx1, (size_t)M * D * 4), *x2 = down(dx2, (size_t)M * D * 4);
-        float *y1 = down(dy1, (size_t)M * N * 4), *y2 = down(dy2, (size_t)M * N * 4);
-        CHECKF(memcmp(x1, x2, (size_t)M * D * 4) == 0, "embed_fused M=%d D=%d %s: rows differ",
-               M, D, dtn(dt));
-        const double ey = rel_err(y2, y1, (size_t)M * N);
-        CHECKF(ey < (M <= 2 ? 2e-4 : 1e-2), "embed_fused M=%d D=%d %s: product %.3g", M, D,
-               dtn(dt), ey);
-        free(tab);
-        free(w);
-        free(g);
-        free(x1);
-        free(x2);
-        free(y1);
-        free(y2);
-        gfree(dtab);
-        gfree(dw);
-        gfree(dg);
-        gfree(did);
-        gfree(dx1);
-        gfree(dx2);
-        gfree(dxn);
-        gfree(dxg);
-        gfree(dy1);
-        gfree(dy2);
-      }
-}
-
-/* The 16-bit hand-off of a GLU product (pd_mm_fused.y_scratch): a GLU matmul then a residual
- * matmul reading its y, against the same pair without the hint; the consumer with the GLU's
- * 16-bit weights (the operand taken as it is), with f32 weights (y written from it first, then
- * read: y itself is checked too), and M = 1 (the GEMV path: no hand-off made). */
-static void test_mm_glu_handoff(void) {
-  static const int Ms[3] = {1, 5, 64};
-  for (int mi = 0; mi < 3; mi++)
-    for (int d = 0; d < 3; d++)
-      for (int cons = 0; cons < 2; cons++) { /* consumer weights: 0 the GLU's dtype, 1 f32 */
-        const int M = Ms[mi], D = 1024, F = 1500;
-        const pd_dtype wdt = k_dts[d], cdt = cons ? PD_DTYPE_F32 : wdt;
-        void *wgu = rand_dt(wdt, (size_t)2 * F * D, -0.05f, 0.05f);
-        void *wd = rand_dt(cdt, (size_t)D * F, -0.05f, 0.05f);
-        float *x0 = rand_f32((size_t)M * D, -2, 2), *g = rand_f32((size_t)D, 0.5f, 1.5f);
-        void *dwgu = up(wgu, (size_t)2 * F * D * pd_dtype_size(wdt));
-        void *dwd = up(wd, (size_t)D * F * pd_dtype_size(cdt));
-        float *dg = up(g, (size_t)D * 4);
-        float *dx[2], *dact[2];
-        float *dxn = g_gpu->ops.alloc(g_gpu, (size_t)M * D * 4);
-        float *dgu = g_gpu->ops.alloc(g_gpu, (size_t)M * 2 * F * 4);
-        for (int h = 0; h < 2; h++) { /* h = 1: with the hint */
-          dx[h] = up(x0, (size_t)M * D * 4);
-          dact[h] = g_gpu->ops.alloc(g_gpu, (size_t)M * F * 4);
-          const pd_mm_fused glu = {.y = dact[h], .x = dx[h], .w = dwgu, .wdt = wdt, .M = M,
-                                   .N = 2 * F, .K = D, .norm_w = dg, .eps = 1e-6f, .xn = dxn,
-                                   .epilogue = PD_MM_GLU, .gu = dgu, .y_scratch = h == 1};
-          g_gpu->ops.matmul_fused(g_gpu, &glu);
-          const pd_mm_fused dn = {.y = dx[h], .x = dact[h], .w = dwd, .wdt = cdt, .M = M,
-                                  .N = D, .K = F, .epilogue = PD_MM_ACCUMULATE};
-          g_gpu->ops.matmul_fused(g_gpu, &dn);
-        }
-        float *x1 = down(dx[0], (size_t)M * D * 4), *x2 = down(dx[1], (size_t)M * D * 4);
-        /* the residual moves by the product: compare the products */
-        for (size_t i = 0; i < (size_t)M * D; i++) {
-          x1[i] -= x0[i];
-          x2[i] -= x0[i];
-        }
-        const double ex = rel_err(x2, x1, (size_t)M * D);
-        /* taken as it is, the operand is the one the conversion of y makes (same rounding);
-         * written back to f32 first, it is y rounded to 16 bits */
-        const bool f32_consumer = cons && wdt != PD_DTYPE_F32 && M > 2;
-        const double tol = f32_consumer ? 1.5e-2 : 1e-6;
-        CHECKF(ex < tol, "GLU hand-off M=%d %s consumer %s: %.3g", M, dtn(wdt), dtn(cdt), ex);
-        if (cons) {
-          float *a1 = down(dact[0], (size_t)M * F * 4), *a2 = down(dact[1], (size_t)M * F * 4);
-          const double ea = rel_err(a2, a1, (size_t)M * F);
-          CHECKF(ea < (f32_consumer ? 8e-3 : 1e-6), "GLU hand-off M=%d %s: y written %.3g", M,
-                 dtn(wdt), ea);
-          free(a1);
-          free(a2);
-        }
-        free(wgu);
-        free(wd);
-        free(x0);
-        free(g);
-        free(x1);
-        free(x2);
-        gfree(dwgu);
-        gfree(dwd);
-        gfree(dg);
-        gfree(dxn);
-        gfree(dgu);
-        for (int h = 0; h < 2; h++) {
-          gfree(dx[h]);
-          gfree(dact[h]);
-        }
-      }
+      run_layer_case("decode", S, n1, ctx, lay[l][0], lay[l][1], lay[l][2], k_dts[d],
+                     d == 1 ? PD_DTYPE_F16 : PD_DTYPE_BF16, (si & 1) == 0);
+    }
+  /* long contexts: few sequences, the attention in splits */
+  for (int d = 1; d < 3; d++) {
+    for (int s = 0; s < 3; s++) {
+      n1[s] = 1;
+      ctx[s] = 1500 + irand(600);
+    }
+    run_layer_case("decode long", 3, n1, ctx, 4, 1, 128, k_dts[d], PD_DTYPE_BF16, true);
+  }
+  /* prefill: chunks over cached prefixes and a decode row in one batch */
+  static const int pn[] = {40, 1, 17, 70}, pc[] = {40, 300, 120, 90};
+  for (int d = 0; d < 3; d++)
+    for (int l = 0; l < 3; l++)
+      run_layer_case("prefill", 4, pn, pc, lay[l][0], lay[l][1], lay[l][2], k_dts[d],
+                     PD_DTYPE_BF16, d == 2);
 }
 
 /* No device memory for an op's scratch (a batch larger than any before, with the GPU full): the
@@ -1368,12 +1139,8 @@ int main(int argc, char **argv) {
     test_kv_write(32, k_dts[d]);
   }
   test_attention();
-  test_rope_attn_defer();
   test_fused();
-  test_mm_fused();
-  test_mm_handoff();
-  test_embed_handoff();
-  test_mm_glu_handoff();
+  test_layer_ops();
   test_scratch_oom();
 
   g_gpu->ops.sync(g_gpu);

@@ -67,10 +67,7 @@ typedef struct pd_attn_batch {
   const int32_t *ctx_len;     /* [n_seqs] tokens in the cache for s, new ones included */
   const int32_t *block_tables; /* [n_seqs, max_blocks] */
   int max_blocks;
-  int max_ctx_len;            /* max over ctx_len (host-side hint for work splitting) */
-  /* a hint: the output is read by nothing but the next matmul_fused, as its x; a backend may
-   * then hand it over in a form of its own, as pd_mm_fused.y_scratch */
-  bool out_scratch;
+  int max_ctx_len;            /* max over ctx_len (used to split the work) */
 } pd_attn_batch;
 
 /* ---- device sampling (the optional `sample` op) ----
@@ -121,56 +118,75 @@ typedef struct pd_dev_sample_out {
   float top_logprob[PD_DEV_SAMPLE_MAX_TOP];
 } pd_dev_sample_out;
 
-/* A matmul with a fused prologue and epilogue: the product P = X W^T + bias, X [M, K], W [N, K]
- * (wdt), bias [N] or NULL.
- *  - norm_w != NULL: X = rmsnorm(x) * norm_w (eps, as the rmsnorm op), else X = x; xn [M, K] is
- *    scratch the op may use for it.
- *  - epilogue PD_MM_STORE: y = P; PD_MM_ACCUMULATE: y += P (the residual add);
- *    PD_MM_GLU: y[M, N/2] = silu(P[:, :N/2]) * P[:, N/2:] (as matmul_glu; gu [M, N] scratch);
- *    PD_MM_ROPE_KV: P is the qkv rows of rope_kv_write, which get RoPE and go to q_out and the
- *    cache as there (y [M, N] scratch the op may use).
- *  - The RMSNorm hand-off (a hint: with or without it the result is the same up to rounding):
- *    an op with norm_next != NULL and xg != NULL (PD_MM_STORE / PD_MM_ACCUMULATE) may also leave
- *    y * norm_next in xg [M, N], with what it needs to finish the norm; the next matmul_fused,
- *    if its x is that y, its norm_w that norm_next and its xg that xg, may then start from xg
- *    instead of normalising x. Nothing may change y or xg between the two calls. Where eps is set
- *    too (norm_next's, as the next call's), the op may instead hand over the normed rows in a
- *    form of its own (the CUDA backend: the next GEMM's 16-bit operand, at sizes it runs
- *    through cuBLAS), which the next call takes if its x, norm_w and eps are those.
- *  - y_scratch (a hint for PD_MM_GLU): y is read by nothing but the next matmul_fused, as its x.
- *    The op may then hand its product over in a form of its own (the CUDA backend: the 16-bit
- *    GEMM operand of the next product, at sizes it runs through cuBLAS) and leave y unwritten;
- *    the next call, whose x is y, reads that form, or writes y from it first. */
-typedef enum { PD_MM_STORE, PD_MM_ACCUMULATE, PD_MM_GLU, PD_MM_ROPE_KV } pd_mm_epilogue;
-typedef struct pd_mm_fused {
-  float *y;
-  const float *x;
-  const void *w;
-  pd_dtype wdt;
+/* ---- the layer ops ----
+ * A decoder layer is four op calls: qkv_attention, linear (o, residual), linear (gate/up, GLU),
+ * linear (down, residual); embed_norm starts the model and a linear (store) is its LM head. Each
+ * op reads what the engine passes and writes what the engine passes: no op reads anything an
+ * earlier op call left in the backend, and the engine owns every buffer that crosses op calls.
+ *
+ * Weights reach the ops as a weight descriptor. Today's formats are dense rows [N, K] in F32,
+ * F16 or BF16; quantized formats add kernels (and fields here), not engine paths. */
+typedef struct pd_wdesc {
+  pd_dtype dtype;   /* of data */
+  const void *data; /* [N, K] row-major */
+  int N, K;
+} pd_wdesc;
+
+/* An activation handed from one op to the next as the next one's matmul operand, in a form the
+ * backend chooses (the CUDA backend: 16-bit rows for its cuBLAS GEMMs, or f32 rows with the
+ * RMSNorm's partial sums left for its decode GEMVs to finish; the CPU backend: f32 rows). The
+ * engine allocates data (ops.act_bytes for the largest M and K) and passes the struct from the
+ * op that writes it (out) to the op that reads it (in); the producer fills M, K, form and aux. */
+typedef struct pd_act {
+  void *data;
+  int M, K;
+  int form;   /* backend-defined, set by the producer */
+  int aux;    /* backend-defined, set by the producer */
+  float auxf; /* backend-defined, set by the producer */
+} pd_act;
+
+typedef enum {
+  PD_LIN_STORE,    /* y = P */
+  PD_LIN_RESIDUAL, /* y += P (y: the residual stream); then out = rmsnorm(y) * norm_w if norm_w */
+  PD_LIN_GLU       /* out = silu(P[:, :N/2]) * P[:, N/2:]  [M, N/2] */
+} pd_lin_epilogue;
+
+/* P = in W^T + bias, in [M, K], W [N, K], bias [N] or NULL (f32). */
+typedef struct pd_linear {
+  const pd_act *in;
+  pd_wdesc w;
   const float *bias;
-  int M, N, K;
-  const float *norm_w;
+  pd_lin_epilogue epilogue;
+  float *y;             /* STORE: [M, N] out; RESIDUAL: [M, N] in and out */
+  pd_act *out;          /* GLU, and RESIDUAL with norm_w: the next linear's operand */
+  const float *norm_w;  /* RESIDUAL: [N], or NULL (no out) */
   float eps;
-  float *xn;
-  pd_mm_epilogue epilogue;
-  float *gu;
-  bool y_scratch;
-  const float *norm_next;
-  float *xg;
-  /* PD_MM_ROPE_KV */
-  float *q_out;
-  const int32_t *pos;
-  const float *inv_freq;
+  pd_dtype out_wdtype;  /* the weight dtype of the linear that reads out */
+  float *scratch;       /* [M, N] f32 the op may use */
+} pd_linear;
+
+/* Attention of a layer from its normed hidden rows: qkv = in Wqkv^T + bias (rows [q | k | v],
+ * (n_q_heads + 2 n_kv_heads) * head_dim wide), RoPE on q and k (as `rope`), k and v written to
+ * the cache at slots (as `kv_write`; a negative slot skips the row), then causal attention of the
+ * rotated q over the cache (as `attention`), into out (the o projection's operand). */
+typedef struct pd_qkv_attn {
+  const pd_act *in;
+  pd_wdesc w;
+  const float *bias;      /* [(nq + 2 nkv) hd] or NULL */
+  const int32_t *pos;     /* [M] */
+  const float *inv_freq;  /* [head_dim / 2] */
   const pd_kv_layer *kv;
   const pd_kv_shape *shape;
-  const int32_t *slots;
+  const int32_t *slots;   /* [M] */
+  const pd_attn_batch *batch; /* its n_tokens is M */
   int n_q_heads;
-  /* PD_MM_ROPE_KV, a hint: q_out and the cache rows at slots are read by nothing but the next
-   * call, which is attention over q_out with kv, these M rows its tokens. The op may then leave
-   * the RoPE and the cache writes to that call (the CUDA backend: into the decode attention's
-   * blocks, where it runs one block per sequence and KV head), which does them first otherwise. */
-  bool attn_next;
-} pd_mm_fused;
+  float scale;
+  int window;             /* sliding window, 0 = none */
+  pd_act *out;            /* [M, n_q_heads * head_dim] */
+  pd_dtype out_wdtype;    /* the o projection's weight dtype */
+  float *qkv;             /* [M, (nq + 2 nkv) hd] f32 scratch the op may use */
+  float *q;               /* [M, nq hd] f32 scratch the op may use */
+} pd_qkv_attn;
 
 typedef struct pd_backend_ops {
   const char *name;
@@ -205,13 +221,9 @@ typedef struct pd_backend_ops {
   void (*add_rmsnorm)(pd_backend *be, float *y, float *x, const float *r, const float *w,
                       float eps, int M, int D);
 
-  /* y[M,D] = table[ids[i], :] (table [V,D] in dt), converted to f32. embed_fused (optional, may
-   * be NULL) is embed with the RMSNorm hand-off of pd_mm_fused: a hint, as a matmul_fused with
-   * y, norm_next and xg would leave it, for the next matmul_fused. */
+  /* y[M,D] = table[ids[i], :] (table [V,D] in dt), converted to f32. */
   void (*embed)(pd_backend *be, float *y, const void *table, pd_dtype dt, const int32_t *ids,
                 int M, int D);
-  void (*embed_fused)(pd_backend *be, float *y, const void *table, pd_dtype dt,
-                      const int32_t *ids, int M, int D, const float *norm_next, float *xg);
 
   /* Rotary embedding in place, the rotate-half (GPT-NeoX / HF Llama) layout: for each head,
    * pairs (i, i + head_dim/2), angle = pos * inv_freq[i], i < head_dim/2.
@@ -302,7 +314,7 @@ typedef struct pd_backend_ops {
   bool (*graph_launch)(pd_backend *be, void *graph);
   void (*graph_free)(pd_backend *be, void *graph);
 
-  /* Fused decode-path ops (the engine falls back to the separate ops when NULL).
+  /* Fused primitives (optional; NULL where a backend does not have them).
    * act[M,F] = silu(x W_g^T + b_g) * (x W_u^T + b_u) with w = [W_g; W_u] ([2F, K], wdt) and
    * bias = [b_g; b_u] or NULL; gu [M, 2F] is scratch the op may use. */
   void (*matmul_glu)(pd_backend *be, float *act, float *gu, const float *x, const void *w,
@@ -313,9 +325,23 @@ typedef struct pd_backend_ops {
   void (*rope_kv_write)(pd_backend *be, float *q_out, const float *qkv, const int32_t *pos,
                         const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *shape,
                         const int32_t *slots, int M, int n_q_heads);
-  /* One matmul with its neighbours fused in (see pd_mm_fused); the engine's decode layer is
-   * then five of these and the attention. NULL: the engine uses the separate ops. */
-  void (*matmul_fused)(pd_backend *be, const pd_mm_fused *p);
+
+  /* ---- the layer ops (see pd_linear); the engine calls only these for a forward pass, with
+   * get_rows. A backend has all six or none: pd_backend_compose_layer_ops makes them from the
+   * primitives above (acts of f32 rows) ---- */
+  /* Bytes of a pd_act's data for M rows of K values, in any form. */
+  size_t (*act_bytes)(pd_backend *be, int M, int K);
+  /* x[M,D] = table[ids] (as embed), and out = rmsnorm(x) * norm_w, the first layer's operand. */
+  void (*embed_norm)(pd_backend *be, float *x, pd_act *out, const void *table, pd_dtype dt,
+                     const int32_t *ids, int M, int D, const float *norm_w, float eps,
+                     pd_dtype out_wdtype);
+  /* out = rmsnorm(x [M, D]) * norm_w as a linear's operand. */
+  void (*norm)(pd_backend *be, pd_act *out, const float *x, const float *norm_w, float eps, int M,
+               int D, pd_dtype out_wdtype);
+  void (*linear)(pd_backend *be, const pd_linear *p);
+  void (*qkv_attention)(pd_backend *be, const pd_qkv_attn *p);
+  /* The values an act holds, as f32 rows [M, K] (for tests and debugging). */
+  void (*act_read)(pd_backend *be, float *rows, const pd_act *a);
 } pd_backend_ops;
 
 struct pd_backend {
@@ -339,6 +365,10 @@ pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e);
  * CUDA backend on device N (o->device is ignored then). PD_EINVAL names the accepted forms for
  * any other text; PD_EUNSUPPORTED when the build has no CUDA. o and is_gpu may be NULL. */
 pd_backend *pd_backend_open(const char *device, const pd_backend_opts *o, bool *is_gpu, pd_err *e);
+/* Sets the layer ops of a backend that has none (act_bytes, embed_norm, norm, linear,
+ * qkv_attention, act_read) to compositions of its primitive ops (embed, rmsnorm, add_rmsnorm,
+ * matmul, add, matmul_glu or swiglu, rope, kv_write, attention); their acts are f32 rows. */
+void pd_backend_compose_layer_ops(pd_backend *be);
 /* Which kernel family the CPU backend chose: "avx512", "avx2" or "generic". */
 const char *pd_backend_cpu_isa(const pd_backend *be);
 void pd_backend_destroy(pd_backend *be);
