@@ -72,6 +72,7 @@ void pd_assert_fail(const char *cond, const char *file, int line) {
 #endif
 #endif
 
+#ifndef PD_SANITIZED /* the sanitizers report crashes themselves */
 static const char *g_prog = "pdserve";
 
 static void on_fatal(int sig) {
@@ -86,6 +87,7 @@ static void on_fatal(int sig) {
   signal(sig, SIG_DFL); /* die of it as before (core dump, the parent's wait status) */
   raise(sig);
 }
+#endif
 
 void pd_crash_handlers_install(const char *prog) {
 #ifndef PD_SANITIZED
