@@ -303,7 +303,7 @@ static void on_reserve(const Pd__Reserve *m) {
   pd_sched_req sr = {.id = r->sid, .prompt = m->prompt_token_ids, .n_prompt = r->n_prompt,
                      .generated = m->generated_token_ids, .n_generated = r->n_gen_base,
                      .params = &p, .sample_index = m->sample_index,
-                     .cache_salt = pd_node_cache_salt(m->cache_salt)};
+                     .cache_salt = pd_kv_cache_salt(m->cache_salt)};
   pd_status st = pd_sched_reserve(n->rt.sched, &sr, r->blocks, cap, &r->nb, &e);
   if (st == PD_OK && r->nb != cap) {
     pd_sched_abort(n->rt.sched, r->sid);
@@ -733,7 +733,7 @@ int main(int argc, char **argv) {
   pd_log(PD_LOG_INFO,
          "decode node %s: model %s (%d blocks of %d tokens), KV port %s, router %s, metrics %d",
          n->node_id, n->model_name, n->pages.num_blocks, n->pages.block_size, n->kv_endpoint,
-         o.router_ep, pd_statsd_port(n->statsd));
+         o.router_ep, pd_metrics_server_port(n->metrics_srv));
 
   /* A step is begun (scheduled, its forward pass queued on the device), the sockets are read
    * while the device computes (requests, aborts, KV pages), and the step is ended (waited for,

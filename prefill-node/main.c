@@ -532,7 +532,7 @@ static void on_prefill(const Pd__Prefill *m) {
   pd_sched_req sr = {.id = r->sid, .prompt = m->prompt_token_ids, .n_prompt = r->n_prompt,
                      .generated = m->generated_token_ids, .n_generated = r->n_gen,
                      .params = &p, .sample_index = m->sample_index,
-                     .cache_salt = pd_node_cache_salt(m->cache_salt)};
+                     .cache_salt = pd_kv_cache_salt(m->cache_salt)};
   pd_status st = pd_sched_add_req(n->rt.sched, &sr, &e);
   free(bias);
   if (st != PD_OK) {
@@ -668,7 +668,7 @@ int main(int argc, char **argv) {
                                      "kind=\"kv_transfer\"");
   pd_log(PD_LOG_INFO, "prefill node %s: model %s (%d blocks of %d tokens), router %s, metrics %d",
          n->node_id, n->model_name, n->pages.num_blocks, n->pages.block_size, o.router_ep,
-         pd_statsd_port(n->statsd));
+         pd_metrics_server_port(n->metrics_srv));
 
   if (n->kv_frames)
     pd_log(PD_LOG_INFO, "KV frames in page-locked memory (up to %d MiB)", o.kv_pinned_mb);

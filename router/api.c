@@ -471,7 +471,7 @@ static int parse_common(router *r, rreq *q, const cJSON *body, int default_max, 
       return refuse_param(q, msg, cap, 400, "cache_salt",
                           "'cache_salt' must be a string of at most 256 bytes");
     snprintf(q->cache_salt_str, sizeof q->cache_salt_str, "%s", salt->valuestring);
-    q->cache_salt = pd_node_cache_salt(salt->valuestring);
+    q->cache_salt = pd_kv_cache_salt(salt->valuestring);
   }
   const cJSON *tools = field(body, "tools");
   if (tools && cJSON_IsArray(tools) && cJSON_GetArraySize(tools) > 0)

@@ -218,7 +218,7 @@ static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateReques
     q->timeout_ms = g->timeout_ms;
     if (g->cache_salt && *g->cache_salt) {
       snprintf(q->cache_salt_str, sizeof q->cache_salt_str, "%s", g->cache_salt);
-      q->cache_salt = pd_node_cache_salt(g->cache_salt);
+      q->cache_salt = pd_kv_cache_salt(g->cache_salt);
     }
     p = api_prep_new(r, q, refuse_req);
     st = p ? prompt_input(p, g, err, sizeof err) : 500;

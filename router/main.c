@@ -18,6 +18,7 @@
 #include <zmq.h>
 
 #include "pd/model.h"
+#include "pd/opts.h"
 #include "router.h"
 
 /* ---- safe points ---- */

@@ -24,7 +24,8 @@
 
 #include "evloop.h"
 #include "http.h"
-#include "node.h"
+#include "pd/log.h"
+#include "pd/kvcache.h"
 #include "pd/liveness.h"
 #include "pd/metrics.h"
 #include "pd/net.h"

@@ -14,6 +14,12 @@ uint64_t pd_kv_hash_block(uint64_t parent, const int32_t *tokens, int n) {
   return XXH64(tokens, n > 0 ? (size_t)n * sizeof *tokens : 0, parent);
 }
 
+uint64_t pd_kv_cache_salt(const char *s) {
+  if (!s || !*s) return 0;
+  uint64_t h = pd_kv_hash_root(s, strlen(s), 0);
+  return h ? h : 1;
+}
+
 uint64_t pd_kv_hash_root(const void *salt, size_t salt_len, uint64_t cache_salt) {
   uint64_t root = XXH64(salt ? salt : "", salt ? salt_len : 0, 0);
   if (cache_salt != 0) {

@@ -11,7 +11,7 @@
 #include <string.h>
 #include <utf8proc.h>
 
-#include "pd/kvpack.h"
+#include "pd/dtype.h"
 #include "pd/wire.h"
 
 #define MAX_LAYERS 4096

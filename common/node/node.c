@@ -136,11 +136,6 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
 
 /* ---- helpers ---- */
 
-uint64_t pd_node_cache_salt(const char *s) {
-  if (!s || !*s) return 0;
-  uint64_t h = pd_kv_hash_root(s, strlen(s), 0);
-  return h ? h : 1;
-}
 
 void pd_node_geometry(const pd_node *n, Pd__KvGeometry *g) {
   pd__kv_geometry__init(g);
@@ -366,7 +361,7 @@ static void write_ready(pd_node *n) {
   cJSON_AddNumberToObject(o, "pid", (double)getpid());
   cJSON_AddStringToObject(o, "node_id", n->node_id);
   cJSON_AddStringToObject(o, "role", n->role == PD__ROLE__ROLE_DECODE ? "decode" : "prefill");
-  cJSON_AddNumberToObject(o, "metrics_port", n->statsd ? pd_statsd_port(n->statsd) : -1);
+  cJSON_AddNumberToObject(o, "metrics_port", n->metrics_srv ? pd_metrics_server_port(n->metrics_srv) : -1);
   cJSON_AddStringToObject(o, "kv_endpoint", n->kv_endpoint);
   pd_err e = {0};
   if (pd_ready_file_write(n->o.ready_file, o, &e) != PD_OK) pd_log(PD_LOG_ERROR, "%s", e.msg);
@@ -699,9 +694,9 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
   n->hb_started = true;
 
   if (o->metrics_port >= 0) {
-    n->statsd = pd_statsd_start(o->bind, o->metrics_port, n->metrics, &n->healthy,
+    n->metrics_srv = pd_metrics_server_start(o->bind, o->metrics_port, n->metrics, &n->healthy,
                                 &n->hb_progress_ms, e);
-    if (!n->statsd) return e->code;
+    if (!n->metrics_srv) return e->code;
   }
   return PD_OK;
 }
@@ -713,8 +708,8 @@ void pd_node_close(pd_node *n) {
     n->hb_started = false;
     pthread_mutex_destroy(&n->hb_mu);
   }
-  pd_statsd_stop(n->statsd);
-  n->statsd = NULL;
+  pd_metrics_server_stop(n->metrics_srv);
+  n->metrics_srv = NULL;
   if (n->router_sock) pd_outbox_clear(&n->router);
   pd_net_close(n->router_sock);
   n->router_sock = NULL;

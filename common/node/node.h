@@ -26,6 +26,7 @@
 #include "framepool.h"
 #include "pd/crc32.h"
 #include "pd/kvpack.h"
+#include "pd/log.h"
 #include "pd/metrics.h"
 #include "pd/net.h"
 #include "pd/runtime.h"
@@ -35,77 +36,16 @@
 extern "C" {
 #endif
 
-/* ---- logging ---- */
-
-enum { PD_LOG_DEBUG = 0, PD_LOG_INFO, PD_LOG_WARN, PD_LOG_ERROR };
-void pd_log_init(const char *prog, bool verbose);
-void pd_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-bool pd_log_debug_on(void);
-
-/* ---- small helpers ---- */
-
-/* Writes obj as JSON to path atomically (path.tmp, then rename). */
-pd_status pd_ready_file_write(const char *path, const cJSON *obj, pd_err *e);
-/* CLOCK_MONOTONIC milliseconds. */
-int64_t pd_now_ms(void);
-/* CLOCK_MONOTONIC seconds, to the nanosecond (for timing work on a node's loop). */
-double pd_mono_s(void);
-/* Wall clock seconds since the epoch. */
-double pd_wall_s(void);
-/* Fingerprint of a model folder for the router's compatibility check: XXH64 of config.json
- * mixed with XXH64 of tokenizer.json. PD_EIO when a file cannot be read. */
-pd_status pd_model_fingerprint(const char *dir, uint64_t *fp, pd_err *e);
-/* The last path component of dir without trailing slashes ("pycoder-12m"). */
-void pd_basename(const char *dir, char *out, size_t cap);
-/* Loads "one Z85 public key per line; lines starting with # are comments" (a '#' elsewhere is
- * part of a key: it is a Z85 character; zcert files are not accepted, keys only) and allows
- * each on auth. */
-pd_status pd_curve_allow_file(pd_curve_auth *auth, const char *path, pd_err *e);
-/* Keypair from --curve-secret-file or --curve-secret-key (either may be NULL). *have is false
- * when neither is given. */
-pd_status pd_curve_keys_from_flags(const char *file, const char *z85, pd_curve_keypair *kp,
-                                   bool *have, pd_err *e);
-
-/* ---- security events in the log ---- */
-
-/* At most PD_LOG_LIMIT_LINES lines per 10 s for one kind of event that a stranger can cause at
- * will (refused handshakes); the rest are counted and summed up in the next window. Zero it to
- * start. */
-#define PD_LOG_LIMIT_LINES 10
-typedef struct pd_log_limit {
-  int64_t window_ms; /* start of the current window (pd_now_ms) */
-  int lines;         /* lines logged in it */
-  uint64_t held;     /* events not logged since the last summary */
-} pd_log_limit;
-/* Whether one more line may be logged now (a summary of held events is logged first when a new
- * window starts); counts the event as held when not. */
-bool pd_log_limit_ok(pd_log_limit *l, const char *what);
-/* Logs (WARN) the handshakes auth refused since the last call, one line each through lim:
- * "refused a connection to the cluster port from 127.0.0.1 (key K): key not allowed". The port
- * is named after the socket's ZAP domain ("cluster", "client", "kv"). NULL auth: no-op. */
-void pd_curve_log_denials(pd_curve_auth *auth, pd_log_limit *lim);
-
-/* Handshakes that fail before the ZAP handler is asked, on one server socket: a peer that
- * offers no CURVE keys to a CURVE server (a node started without the cluster's keys), one that
- * uses another server key, a broken handshake. A socket monitor (inproc PAIR) on sock; drain
- * it now and then, stop it before closing sock. */
-typedef struct pd_hs_watch pd_hs_watch;
-pd_hs_watch *pd_hs_watch_start(void *ctx, void *sock, const char *port_name, pd_err *e);
-/* Logs (WARN, through lim) the failures seen since the last call. */
-void pd_hs_watch_drain(pd_hs_watch *w, pd_log_limit *lim);
-/* NULL: no-op. */
-void pd_hs_watch_stop(pd_hs_watch *w);
-
 /* ---- metrics/health HTTP server on its own thread ---- */
 
-typedef struct pd_statsd pd_statsd;
+typedef struct pd_metrics_server pd_metrics_server;
 /* Serves GET /metrics (m rendered), GET /health (200 while *healthy, else 503: readiness) and
  * GET /live (200 while *progress_ms, the main loop's last turn, is less than PD_NODE_STALL_MS
  * old, else 503: liveness) on host:port (port 0: a free one). NULL with e set on failure. */
-pd_statsd *pd_statsd_start(const char *host, int port, pd_metrics *m, atomic_bool *healthy,
+pd_metrics_server *pd_metrics_server_start(const char *host, int port, pd_metrics *m, atomic_bool *healthy,
                            atomic_llong *progress_ms, pd_err *e);
-int pd_statsd_port(const pd_statsd *s);
-void pd_statsd_stop(pd_statsd *s);
+int pd_metrics_server_port(const pd_metrics_server *s);
+void pd_metrics_server_stop(pd_metrics_server *s);
 
 /* ---- ordered non-blocking sends on one socket ---- */
 
@@ -240,7 +180,7 @@ struct pd_node {
   bool kv_curve;
   /* metrics */
   pd_metrics *metrics;
-  pd_statsd *statsd;
+  pd_metrics_server *metrics_srv;
   atomic_bool healthy;
   pd_metric *m_registered, *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total,
       *m_prefix_queries, *m_prefix_hits, *m_prefix_rate, *m_gen_tokens, *m_prompt_tokens,
@@ -300,8 +240,6 @@ pd_status pd_node_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids
  * asked again per message). Grows (a new buffer, then host_free of the old) in whole MiB; the
  * contents are not kept. Loop thread only. */
 void *pd_node_kv_rx_buf(pd_node *n, size_t len);
-/* Cache-salt string -> 64-bit salt (0 for ""). */
-uint64_t pd_node_cache_salt(const char *s);
 
 /* Process-wide malloc settings for a node (call once at start, before threads): KV frames
  * (malloc'ed by the prefill loop when not from its page-locked pool, kv_frames, and freed by

@@ -3,7 +3,7 @@
 #include <math.h>
 #include <stddef.h>
 
-#include "pd/sample.h"
+#include "pd/sampling.h"
 
 void pd_sampling_params_init(pd_sampling_params *p) {
   p->temperature = 1.0f;

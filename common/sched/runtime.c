@@ -71,27 +71,8 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
 
   /* backend */
   bool gpu = false;
-  int dev = 0;
-  if (o->device && strncmp(o->device, "cuda", 4) == 0) {
-    gpu = true;
-    if (o->device[4] == ':') {
-      char *end;
-      long d = strtol(o->device + 5, &end, 10);
-      if (*end || end == o->device + 5 || d < 0 || d > 1024) {
-        pd_err_set(e, PD_EINVAL, "--device '%s': expected cuda:N", o->device);
-        goto fail;
-      }
-      dev = (int)d;
-    } else if (o->device[4]) {
-      pd_err_set(e, PD_EINVAL, "--device '%s': expected cpu or cuda[:N]", o->device);
-      goto fail;
-    }
-  } else if (o->device && strcmp(o->device, "cpu") != 0) {
-    pd_err_set(e, PD_EINVAL, "--device '%s': expected cpu or cuda[:N]", o->device);
-    goto fail;
-  }
-  pd_backend_opts bo = {.n_threads = o->threads, .device = dev};
-  rt->be = gpu ? pd_backend_cuda_create(&bo, e) : pd_backend_cpu_create(&bo, e);
+  pd_backend_opts bo = {.n_threads = o->threads};
+  rt->be = pd_backend_open(o->device, &bo, &gpu, e);
   if (!rt->be) goto fail;
   pd_dtype kv_dt = gpu ? PD_DTYPE_BF16 : PD_DTYPE_F32;
   const char *kd = o->kv_cache_dtype ? o->kv_cache_dtype : "auto";

@@ -10,16 +10,19 @@
 include(${PROJECT_SOURCE_DIR}/tests/data/tokenizers.cmake)
 set(_pd_fz ${PROJECT_SOURCE_DIR}/tests/fuzz)
 
-# pd_fuzz_target(name [SOURCES extra.c ...] [LIBS lib ...] [DEFS def ...])
+# pd_fuzz_target(name LIBS lib ... [SOURCES extra.c ...] [DEFS def ...] [INCS dir ...]): LIBS are the libraries
+# of the code under test, the lowest that holds it (pdhttp, pdnet, pdapi, pdtokenizer, pdcommon),
+# so a fuzzer links no more than the product does there; the replay tests link pdcommon too, as
+# every pd_add_test does.
 function(pd_fuzz_target name)
-  cmake_parse_arguments(F "" "" "SOURCES;LIBS;DEFS" ${ARGN})
+  cmake_parse_arguments(F "" "" "SOURCES;LIBS;DEFS;INCS" ${ARGN})
   set(srcs ${_pd_fz}/fuzz_${name}.c ${F_SOURCES})
   set(defs PD_TEST_DATA="${PROJECT_SOURCE_DIR}/tests/data"
            PD_TOKENIZER_DATA_DIR="${PD_TOKENIZER_DATA_DIR}" ${F_DEFS})
   if(PD_FUZZ AND NOT TARGET fuzz_${name})
     add_executable(fuzz_${name} ${srcs})
-    target_link_libraries(fuzz_${name} PRIVATE pdcommon ${F_LIBS})
-    target_include_directories(fuzz_${name} PRIVATE ${_pd_fz})
+    target_link_libraries(fuzz_${name} PRIVATE ${F_LIBS})
+    target_include_directories(fuzz_${name} PRIVATE ${_pd_fz} ${F_INCS})
     target_compile_definitions(fuzz_${name} PRIVATE ${defs})
     target_compile_options(fuzz_${name} PRIVATE -fsanitize=fuzzer)
     target_link_options(fuzz_${name} PRIVATE -fsanitize=fuzzer)
@@ -28,7 +31,7 @@ function(pd_fuzz_target name)
   if(COMMAND pd_add_test AND NOT TARGET test_fuzz_${name})
     pd_add_test(NAME test_fuzz_${name} SOURCES ${srcs} ${_pd_fz}/replay.c LABELS unit
                 TIMEOUT 300 LIBS ${F_LIBS} ARGS ${_pd_fz}/corpus/${name})
-    target_include_directories(test_fuzz_${name} PRIVATE ${_pd_fz})
+    target_include_directories(test_fuzz_${name} PRIVATE ${_pd_fz} ${F_INCS})
     target_compile_definitions(test_fuzz_${name} PRIVATE ${defs})
     add_dependencies(test_fuzz_${name} pd_tokenizer_data)
   endif()
@@ -54,18 +57,20 @@ if(TARGET pd-router)
   endforeach()
   get_target_property(_pd_router_libs pd-router LINK_LIBRARIES)
   get_target_property(_pd_router_defs pd-router COMPILE_DEFINITIONS)
+  get_target_property(_pd_router_dir pd-router SOURCE_DIR) # router.h
   pd_fuzz_target(openai SOURCES ${_pd_router_srcs} LIBS ${_pd_router_libs}
-                 DEFS ${_pd_router_defs})
+                 DEFS ${_pd_router_defs} INCS ${_pd_router_dir})
 endif()
 # (c) protobuf envelopes: pd_wire_decode and the validators of every cluster and client message
 if(TARGET pdnet)
   pd_fuzz_target(wire LIBS pdnet)
 endif()
-# (d) model files: the safetensors header; config.json; tokenizer.json with tokenizer_config.json
-pd_fuzz_target(safetensors)
-pd_fuzz_target(model_config)
-pd_fuzz_target(tokenizer_files)
+# (d) model files: the safetensors header (the engine's loader, pdcommon); config.json (pdapi,
+#     which the router shares); tokenizer.json with tokenizer_config.json
+pd_fuzz_target(safetensors LIBS pdcommon)
+pd_fuzz_target(model_config LIBS pdapi)
+pd_fuzz_target(tokenizer_files LIBS pdtokenizer)
 # (e) the bundled tokenizers: encode and decode of arbitrary bytes and ids
-pd_fuzz_target(tokenizer)
+pd_fuzz_target(tokenizer LIBS pdtokenizer)
 # (f) the Jinja chat-template interpreter: arbitrary templates and messages
-pd_fuzz_target(chat_template)
+pd_fuzz_target(chat_template LIBS pdtokenizer)

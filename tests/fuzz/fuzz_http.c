@@ -1,4 +1,4 @@
-/* Fuzz target (a): the HTTP/1.1 request parser (router/http_parser.c) as the server drives it:
+/* Fuzz target (a): the HTTP/1.1 request parser (common/http/http_parser.c) as the server drives it:
  * a byte stream of pipelined requests (heads, Content-Length and chunked bodies, trailers) fed
  * through pd_http_parser_feed, requests taken one after another until the stream ends, an
  * error, or an incomplete request.

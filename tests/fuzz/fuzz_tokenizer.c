@@ -42,7 +42,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   return 0;
 }
 
-/* Mirrors tok_util's UTF-8 check: well-formed (no overlongs, surrogates or > U+10FFFF). */
+/* Mirrors tok_utf8.c's UTF-8 check: well-formed (no overlongs, surrogates or > U+10FFFF). */
 static bool utf8_ok(const uint8_t *s, size_t n) {
   size_t i = 0;
   while (i < n) {

@@ -1,4 +1,4 @@
-/* Parses HTTP/1.1 request streams with pdserve's parser (router/http_parser.c) as the server
+/* Parses HTTP/1.1 request streams with pdserve's parser (common/http/http_parser.c) as the server
  * does, and prints what it parsed as JSON, for test_http_differential.py, which compares it
  * with llhttp.
  *

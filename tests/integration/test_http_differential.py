@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Differential HTTP/1.1 request parsing: pdserve's hand-written parser (router/http_parser.c,
+"""Differential HTTP/1.1 request parsing: pdserve's hand-written parser (common/http/http_parser.c,
 through http_parse_dump) against llhttp (Node's parser, through the httptools package) on the
 same byte streams.
 

@@ -121,6 +121,31 @@ static void test_create_errors(void) {
     pd_backend_destroy(be);
   }
   pd_backend_destroy(NULL);
+
+  /* device names: cpu by default and by name; malformed names are refused before any backend
+   * is made; "cuda" without a device or without CUDA in the build is an error, not the CPU */
+  bool gpu = true;
+  be = pd_backend_open(NULL, NULL, &gpu, &e);
+  CHECK(be && !gpu && !strcmp(be->ops.name, "cpu"), "no device name must open the CPU backend");
+  pd_backend_destroy(be);
+  gpu = true;
+  be = pd_backend_open("cpu", &o, &gpu, &e);
+  CHECK(be && !gpu, "\"cpu\" must open the CPU backend");
+  pd_backend_destroy(be);
+  static const char *bad[] = {"tpu", "cuda:", "cuda:x", "cuda:1x", "cuda:-1", "cudaa", "CPU", ""};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    e = (pd_err){0};
+    be = pd_backend_open(bad[i], NULL, NULL, &e);
+    CHECK(be == NULL && e.code == PD_EINVAL && strstr(e.msg, "--device"),
+          "device '%s' must be refused with EINVAL (got %d: %s)", bad[i], e.code, e.msg);
+    pd_backend_destroy(be);
+  }
+  e = (pd_err){0};
+  be = pd_backend_open("cuda:1000", NULL, &gpu, &e);
+  CHECK(be == NULL && gpu && (e.code == PD_EUNSUPPORTED || e.code == PD_EINVAL ||
+                              e.code == PD_EBACKEND),
+        "a device that does not exist must fail (got %d: %s)", e.code, e.msg);
+  pd_backend_destroy(be);
 }
 
 /* ---- memory ops ------------------------------------------------------------------------------ */

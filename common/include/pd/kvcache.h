@@ -122,6 +122,9 @@ uint64_t pd_kv_hash_block(uint64_t parent, const int32_t *tokens, int n);
 /* The chain's root: XXH64 of salt, then, when cache_salt != 0, mixed with cache_salt.
  * Block i's hash is pd_kv_hash_block(hash of block i-1 (or the root), tokens + i*bs, bs). */
 uint64_t pd_kv_hash_root(const void *salt, size_t salt_len, uint64_t cache_salt);
+/* A request's cache_salt string as the 64-bit salt of pd_kv_hash_root (0 for NULL or "": no
+ * salt; never 0 otherwise). */
+uint64_t pd_kv_cache_salt(const char *s);
 
 /* ---- pool ---- */
 

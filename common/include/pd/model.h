@@ -104,6 +104,10 @@ typedef struct pd_model_opts {
 pd_model *pd_model_load(const char *dir, const pd_model_opts *o, pd_err *e);
 void pd_model_free(pd_model *m);
 
+/* Fingerprint of a model folder for the router's compatibility check: XXH64 of config.json
+ * mixed with XXH64 of tokenizer.json. PD_EIO when a file cannot be read. */
+pd_status pd_model_fingerprint(const char *dir, uint64_t *fp, pd_err *e);
+
 #ifdef __cplusplus
 }
 #endif

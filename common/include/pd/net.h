@@ -28,6 +28,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "pd/log.h"
 #include "pd/status.h"
 #include "pd/wire.h"
 
@@ -227,6 +228,36 @@ void pd_net_msg_clear(pd_net_msg *m);
  * an Error; m->wire.env is NULL then. PD_EIO when libzmq fails (context terminated, ...). */
 pd_status pd_net_recv(void *sock, int timeout_ms, const pd_wire_limits *l, pd_net_msg *m,
                       bool *got, pd_err *e);
+
+/* ---- keys from files and flags ---- */
+
+/* Loads "one Z85 public key per line; lines starting with # are comments" (a '#' elsewhere is
+ * part of a key: it is a Z85 character; zcert files are not accepted, keys only) and allows
+ * each on auth. */
+pd_status pd_curve_allow_file(pd_curve_auth *auth, const char *path, pd_err *e);
+/* Keypair from --curve-secret-file or --curve-secret-key (either may be NULL). *have is false
+ * when neither is given. */
+pd_status pd_curve_keys_from_flags(const char *file, const char *z85, pd_curve_keypair *kp,
+                                   bool *have, pd_err *e);
+
+
+/* ---- refused handshakes in the log ---- */
+
+/* Logs (WARN) the handshakes auth refused since the last call, one line each through lim:
+ * "refused a connection to the cluster port from 127.0.0.1 (key K): key not allowed". The port
+ * is named after the socket's ZAP domain ("cluster", "client", "kv"). NULL auth: no-op. */
+void pd_curve_log_denials(pd_curve_auth *auth, pd_log_limit *lim);
+
+/* Handshakes that fail before the ZAP handler is asked, on one server socket: a peer that
+ * offers no CURVE keys to a CURVE server (a node started without the cluster's keys), one that
+ * uses another server key, a broken handshake. A socket monitor (inproc PAIR) on sock; drain
+ * it now and then, stop it before closing sock. */
+typedef struct pd_hs_watch pd_hs_watch;
+pd_hs_watch *pd_hs_watch_start(void *ctx, void *sock, const char *port_name, pd_err *e);
+/* Logs (WARN, through lim) the failures seen since the last call. */
+void pd_hs_watch_drain(pd_hs_watch *w, pd_log_limit *lim);
+/* NULL: no-op. */
+void pd_hs_watch_stop(pd_hs_watch *w);
 
 #ifdef __cplusplus
 }

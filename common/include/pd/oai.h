@@ -5,7 +5,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "pd/sample.h"
+#include "pd/sampling.h"
 #include "pd/status.h"
 
 #ifdef __cplusplus

@@ -33,7 +33,7 @@
 
 #include "pd/dtype.h"
 #include "pd/pd.pb-c.h" /* generated from proto/pd.proto at build time */
-#include "pd/sample.h"
+#include "pd/sampling.h"
 #include "pd/status.h"
 
 #ifdef __cplusplus

@@ -328,6 +328,10 @@ typedef struct pd_backend_opts {
 /* The CPU backend, always built. Picks SIMD kernels at run time by what the CPU supports
  * (AVX-512 / AVX2+FMA / portable C). PD_CPU_ISA=avx512|avx2|generic forces a lower level. */
 pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e);
+/* The backend a device name selects: NULL or "cpu" the CPU backend, "cuda" or "cuda:N" the
+ * CUDA backend on device N (o->device is ignored then). PD_EINVAL names the accepted forms for
+ * any other text; PD_EUNSUPPORTED when the build has no CUDA. o and is_gpu may be NULL. */
+pd_backend *pd_backend_open(const char *device, const pd_backend_opts *o, bool *is_gpu, pd_err *e);
 /* Which kernel family the CPU backend chose: "avx512", "avx2" or "generic". */
 const char *pd_backend_cpu_isa(const pd_backend *be);
 void pd_backend_destroy(pd_backend *be);

@@ -17,11 +17,12 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "cpu_internal.h"
+#include "pd/pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

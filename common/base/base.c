@@ -72,7 +72,7 @@ void pd_assert_fail(const char *cond, const char *file, int line) {
 #endif
 #endif
 
-#ifndef PD_SANITIZED /* the sanitizers report crashes themselves */
+#ifndef PD_SANITIZED
 static const char *g_prog = "pdserve";
 
 static void on_fatal(int sig) {

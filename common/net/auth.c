@@ -1,155 +1,12 @@
-/* libpdnode helpers: logging, ready files, clocks, model fingerprints, CURVE flags, signals. */
+/* CURVE keys and allow-lists from files and flags, and refused handshakes in the log (pd/net.h). */
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/time.h>
-#include <time.h>
-#include <unistd.h>
 #include <zmq.h>
 
-#include "node.h"
-#include "pd/kvcache.h"
-
-/* ---- logging ---- */
-
-static const char *g_prog = "pd";
-static bool g_verbose;
-
-void pd_log_init(const char *prog, bool verbose) {
-  g_prog = prog;
-  g_verbose = verbose;
-  setvbuf(stderr, NULL, _IOLBF, 0);
-}
-
-bool pd_log_debug_on(void) { return g_verbose; }
-
-void pd_log(int level, const char *fmt, ...) {
-  if (level == PD_LOG_DEBUG && !g_verbose) return;
-  static const char *names[] = {"DEBUG", "INFO", "WARN", "ERROR"};
-  struct timeval tv;
-  gettimeofday(&tv, NULL);
-  struct tm tm;
-  gmtime_r(&tv.tv_sec, &tm);
-  char ts[32];
-  strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
-  char msg[2048];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  /* one fprintf per line, so lines of concurrent threads never interleave */
-  fprintf(stderr, "%s.%03dZ %s %s %s\n", ts, (int)(tv.tv_usec / 1000), g_prog,
-          names[level < 0 ? 0 : level > 3 ? 3 : level], msg);
-}
-
-/* ---- clocks ---- */
-
-int64_t pd_now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-double pd_mono_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-double pd_wall_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* ---- files ---- */
-
-pd_status pd_ready_file_write(const char *path, const cJSON *obj, pd_err *e) {
-  char *text = cJSON_PrintUnformatted(obj);
-  if (!text) return pd_err_set(e, PD_ENOMEM, "out of memory");
-  size_t n = strlen(path) + 16;
-  char *tmp = malloc(n);
-  if (!tmp) {
-    free(text);
-    return pd_err_set(e, PD_ENOMEM, "out of memory");
-  }
-  snprintf(tmp, n, "%s.tmp", path);
-  FILE *f = fopen(tmp, "w");
-  pd_status st = PD_OK;
-  if (!f) {
-    st = pd_err_set(e, PD_EIO, "cannot write %s: %s", tmp, strerror(errno));
-  } else {
-    bool ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF;
-    if (fclose(f) != 0 || !ok) st = pd_err_set(e, PD_EIO, "cannot write %s", tmp);
-    else if (rename(tmp, path) != 0)
-      st = pd_err_set(e, PD_EIO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
-  }
-  free(tmp);
-  free(text);
-  return st;
-}
-
-static pd_status read_all(const char *path, char **buf, size_t *len, pd_err *e) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return pd_err_set(e, PD_EIO, "cannot read %s: %s", path, strerror(errno));
-  size_t cap = 1 << 16, n = 0;
-  char *b = malloc(cap);
-  while (b) {
-    size_t k = fread(b + n, 1, cap - n, f);
-    n += k;
-    if (k == 0) break;
-    if (n == cap) {
-      char *t = realloc(b, cap * 2);
-      if (!t) {
-        free(b);
-        b = NULL;
-        break;
-      }
-      b = t;
-      cap *= 2;
-    }
-  }
-  bool err = ferror(f);
-  fclose(f);
-  if (!b) return pd_err_set(e, PD_ENOMEM, "out of memory reading %s", path);
-  if (err) {
-    free(b);
-    return pd_err_set(e, PD_EIO, "cannot read %s", path);
-  }
-  *buf = b;
-  *len = n;
-  return PD_OK;
-}
-
-pd_status pd_model_fingerprint(const char *dir, uint64_t *fp, pd_err *e) {
-  static const char *files[] = {"config.json", "tokenizer.json"};
-  uint64_t h = 0x9e3779b97f4a7c15ull;
-  for (size_t i = 0; i < 2; i++) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, files[i]);
-    char *buf = NULL;
-    size_t len = 0;
-    pd_status st = read_all(path, &buf, &len, e);
-    if (st) return st;
-    h = pd_kv_hash_root(buf, len, h);
-    free(buf);
-  }
-  *fp = h;
-  return PD_OK;
-}
-
-void pd_basename(const char *dir, char *out, size_t cap) {
-  size_t n = strlen(dir);
-  while (n > 1 && dir[n - 1] == '/') n--;
-  size_t s = n;
-  while (s > 0 && dir[s - 1] != '/') s--;
-  size_t k = n - s;
-  if (k >= cap) k = cap - 1;
-  memcpy(out, dir + s, k);
-  out[k] = 0;
-}
+#include "pd/log.h"
+#include "pd/net.h"
 
 pd_status pd_curve_allow_file(pd_curve_auth *auth, const char *path, pd_err *e) {
   FILE *f = fopen(path, "r");
@@ -199,24 +56,6 @@ pd_status pd_curve_keys_from_flags(const char *file, const char *z85, pd_curve_k
 }
 
 /* ---- security events in the log ---- */
-
-bool pd_log_limit_ok(pd_log_limit *l, const char *what) {
-  int64_t now = pd_now_ms();
-  if (now - l->window_ms >= 10000) {
-    if (l->held)
-      pd_log(PD_LOG_WARN, "%llu more %s in the last %lld s were not logged one by one",
-             (unsigned long long)l->held, what, (long long)((now - l->window_ms) / 1000));
-    l->window_ms = now;
-    l->lines = 0;
-    l->held = 0;
-  }
-  if (l->lines < PD_LOG_LIMIT_LINES) {
-    l->lines++;
-    return true;
-  }
-  l->held++;
-  return false;
-}
 
 void pd_curve_log_denials(pd_curve_auth *auth, pd_log_limit *lim) {
   if (!auth) return;
@@ -310,24 +149,4 @@ void pd_hs_watch_stop(pd_hs_watch *w) {
   zmq_socket_monitor(w->sock, NULL, 0);
   if (w->pair) zmq_close(w->pair);
   free(w);
-}
-
-/* ---- signals ---- */
-
-volatile sig_atomic_t pd_node_stop_flag;
-
-static void on_signal(int sig) {
-  (void)sig;
-  pd_node_stop_flag = 1;
-}
-
-void pd_node_install_signals(void) {
-  pd_crash_handlers_install(g_prog);
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, NULL);
-  sigaction(SIGTERM, &sa, NULL);
-  signal(SIGPIPE, SIG_IGN);
 }

@@ -9,7 +9,7 @@
 #include "http.h"
 #include "node.h"
 
-struct pd_statsd {
+struct pd_metrics_server {
   pd_evloop *loop;
   pd_http_server *srv;
   pthread_t th;
@@ -20,7 +20,7 @@ struct pd_statsd {
 };
 
 static void on_request(pd_http_req *req, const pd_http_request *msg, void *ud) {
-  pd_statsd *s = ud;
+  pd_metrics_server *s = ud;
   bool get = !strcmp(msg->method, "GET") || !strcmp(msg->method, "HEAD");
   if (!strcmp(msg->path, "/metrics")) {
     if (!get) {
@@ -50,15 +50,15 @@ static void on_request(pd_http_req *req, const pd_http_request *msg, void *ud) {
 }
 
 static void *run(void *ud) {
-  pd_statsd *s = ud;
+  pd_metrics_server *s = ud;
   pd_err e = {0};
   if (pd_evloop_run(s->loop, &e) != PD_OK) pd_log(PD_LOG_ERROR, "metrics server: %s", e.msg);
   return NULL;
 }
 
-pd_statsd *pd_statsd_start(const char *host, int port, pd_metrics *m, atomic_bool *healthy,
+pd_metrics_server *pd_metrics_server_start(const char *host, int port, pd_metrics *m, atomic_bool *healthy,
                            atomic_llong *progress_ms, pd_err *e) {
-  pd_statsd *s = calloc(1, sizeof *s);
+  pd_metrics_server *s = calloc(1, sizeof *s);
   if (!s) {
     pd_err_set(e, PD_ENOMEM, "out of memory");
     return NULL;
@@ -85,13 +85,13 @@ pd_statsd *pd_statsd_start(const char *host, int port, pd_metrics *m, atomic_boo
   s->started = true;
   return s;
 fail:
-  pd_statsd_stop(s);
+  pd_metrics_server_stop(s);
   return NULL;
 }
 
-int pd_statsd_port(const pd_statsd *s) { return s ? pd_http_server_port(s->srv) : -1; }
+int pd_metrics_server_port(const pd_metrics_server *s) { return s ? pd_http_server_port(s->srv) : -1; }
 
-void pd_statsd_stop(pd_statsd *s) {
+void pd_metrics_server_stop(pd_metrics_server *s) {
   if (!s) return;
   if (s->started) {
     pd_evloop_stop(s->loop);
