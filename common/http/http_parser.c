@@ -461,20 +461,20 @@ static pd_http_parse_result feed_head(pd_http_parser *p, const char *d, size_t l
   size_t i = 0;
   if (p->head_len == 0) {
     /* RFC 9112 2.2: ignore blank lines (CRLF, or a bare LF) before the request line (bounded);
-     * a bare CR there is invalid (2.2: a bare CR makes its element invalid). */
+     * a bare CR there is invalid (2.2: a bare CR makes its element invalid). Both errors are
+     * found byte by byte, so the first in the stream is the one reported however it arrives. */
     for (; i < len && (d[i] == '\r' || d[i] == '\n'); i++) {
       if (p->skipped_cr && d[i] != '\n') break;
       p->skipped_cr = d[i] == '\r';
+      p->started = true;
+      if (++p->skipped > p->lim.max_head_bytes) {
+        *used = i + 1;
+        return fail(p, 400, "too many blank lines before the request");
+      }
     }
-    if (i > 0) p->started = true;
     if (p->skipped_cr && i < len) {
       *used = i;
       return fail(p, 400, "bare CR before the request line");
-    }
-    p->skipped += i;
-    if (p->skipped > p->lim.max_head_bytes) {
-      *used = i;
-      return fail(p, 400, "too many blank lines before the request");
     }
     if (i == len) {
       *used = len;

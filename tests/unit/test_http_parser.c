@@ -298,6 +298,26 @@ static void test_errors(void) {
       pd_http_parser_free(p);
     }
   }
+  /* Blank lines over the head limit, then a bare CR: the first error in the stream is the one
+   * reported, whole or in pieces (found by fuzz_http, corpus http/crash-blank-lines-then-bare-cr) */
+  {
+    static char blanks[4200];
+    size_t n = 4100;
+    memset(blanks, '\n', n);
+    memcpy(blanks + n, "\r\n\rGET", 6);
+    n += 6;
+    for (int mode = 0; mode < 3; mode++) {
+      pd_http_parser *p = mk();
+      size_t used = 0;
+      pd_http_parse_result r = mode == 0 ? feed_all(p, blanks, n, &used)
+                                         : feed_split(p, blanks, n, mode == 1 ? 7 : 1, &used);
+      const char *msg = pd_http_parser_error_msg(p);
+      CHECKF(r == PD_HTTP_PARSE_ERROR && strstr(msg, "too many blank lines"),
+             "mode %d: result %d (%s)", mode, r, msg);
+      CHECK(used <= n);
+      pd_http_parser_free(p);
+    }
+  }
   /* Chunked total over the limit across several chunks (each one small). */
   pd_http_parser *p = mk();
   char buf[4096];
