@@ -53,8 +53,6 @@ bundle_tree "$D" "$T"
 run timeout 400 python3 tests/integration/test_cluster_gpu.py --pdctl "$T/tools/pdctl" --repo "$PWD"
 rm -rf "$T"
 step pd-bench-cuda;    run "$D/bin/pd-bench-cuda"
-step "decode attention on the SIMT kernel (PD_CUDA_DECODE_ATTN=simt)"
-PD_CUDA_DECODE_ATTN=simt "$D/bin/pd-bench-cuda" 2>&1 | grep -E "decode attn|^\| what|^\|---"
 [ "$quick" = quick ] && exit 0
 
 step make-model llama3-8b
@@ -91,20 +89,20 @@ run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-l
 step "prefill 8k in one chunk (--max-batch-tokens 8192)"
 run "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 --prompt-len 8000 \
   --decode-tokens 2 --repeat 2 --max-batch-tokens 8192
-step "where a batch-1 decode step goes (PD_CUDA_PROFILE=1, eager)"
-PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 \
+step "where a batch-1 decode step goes (--profile-gpu, eager)"
+"$D/bin/pdctl" bench-model --profile-gpu --device cuda:0 --model "$M" --batch 1 \
   --prompt-len 128 --decode-tokens 64 --repeat 1 --enforce-eager 2>&1 | head -18
-step "a batch-1 step with graphs: the replay's GPU time against the step's (PD_CUDA_PROFILE=1)"
-PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 1 \
+step "a batch-1 step with graphs: the replay's GPU time against the step's (--profile-gpu)"
+"$D/bin/pdctl" bench-model --profile-gpu --device cuda:0 --model "$M" --batch 1 \
   --prompt-len 128 --decode-tokens 256 --repeat 1 2>&1 |
   grep -E "graph replay|sample|ms/step|^ +1 |^graph +[0-9]+ |launch =|clock against"
 # (enough decode tokens that the last prompts are in before the first sequences finish)
-step "a 256 x 1k step with graphs on the GPU's clock (PD_CUDA_PROFILE=1): launch, replay, sampling, host"
-PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 \
+step "a 256 x 1k step with graphs on the GPU's clock (--profile-gpu): launch, replay, sampling, host"
+"$D/bin/pdctl" bench-model --profile-gpu --device cuda:0 --model "$M" --batch 256 \
   --prompt-len 928 --decode-tokens 192 --repeat 2 2>&1 |
   grep -E "^graph +[0-9]+ |launch =|clock against|^ +256 "
-step "where a 256 x 1k decode step goes (PD_CUDA_PROFILE=1, eager; M=256 rows)"
-PD_CUDA_PROFILE=1 "$D/bin/pdctl" bench-model --device cuda:0 --model "$M" --batch 256 \
+step "where a 256 x 1k decode step goes (--profile-gpu, eager; M=256 rows)"
+"$D/bin/pdctl" bench-model --profile-gpu --device cuda:0 --model "$M" --batch 256 \
   --prompt-len 1024 --decode-tokens 192 --repeat 1 --enforce-eager 2>&1 |
   grep -E "^op |M=256 |seqs=256 tokens=256|sample n=256"
 step "energy of the decode step's kinds of work (pd-bench-cuda --power 2)"

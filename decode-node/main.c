@@ -737,18 +737,12 @@ int main(int argc, char **argv) {
 
   /* A step is begun (scheduled, its forward pass queued on the device), the sockets are read
    * while the device computes (requests, aborts, KV pages), and the step is ended (waited for,
-   * its tokens sent) on the next turn of the loop, before the next one is begun.
-   * PD_DECODE_OVERLAP=0 runs each step whole before reading the sockets (a measurement
-   * switch). */
-  const char *ov = getenv("PD_DECODE_OVERLAP");
-  const bool overlap = !(ov && !strcmp(ov, "0"));
+   * its tokens sent) on the next turn of the loop, before the next one is begun. */
   /* While sequences decode, a turn of the loop spends at most about one step's time (2-20 ms)
    * on received KV pages (checksums, copies into the cache), so that a burst of finished
    * prefills lands over several steps instead of stalling every running sequence until all of
-   * it is in. PD_DECODE_KV_BUDGET_MS=N sets N ms instead; 0 takes everything queued each turn
-   * (a measurement switch). */
-  const char *kb = getenv("PD_DECODE_KV_BUDGET_MS");
-  const double kv_budget_fixed = kb ? atof(kb) / 1000.0 : -1.0;
+   * it is in. --kv-budget-ms N sets N ms instead; 0 takes everything queued each turn. */
+  const double kv_budget_fixed = o.kv_budget_ms >= 0.0 ? o.kv_budget_ms / 1000.0 : -1.0;
   pd_sched *sched = n->rt.sched;
   int64_t next_metrics = 0;
   double step_t0 = 0;
@@ -780,7 +774,6 @@ int main(int argc, char **argv) {
         pd_log(PD_LOG_ERROR, "step failed: %s", e.msg);
         if (!pd_node_check_device(n)) fail_active(e.msg);
       }
-      if (started && !overlap) end_step(n, step_t0);
       acted = true;
     }
     if (acted) { /* (the failures of a step that could not begin, or a whole step's tokens) */

@@ -58,7 +58,6 @@ typedef struct prefill {
   pending_ack acks[1024];
   int n_acks;
   size_t chunk_bytes;
-  bool checksum; /* CRC-32 of each KV chunk (PD_KV_CHECKSUM=0: none, a measurement switch) */
   pd_metric *m_kv_pack_s, *m_kv_check_s, *m_kv_send_s; /* the loop thread's time on KV */
   pd_metric *m_kv_frames_pinned, *m_kv_frames_malloc; /* KV frames by where their memory came from */
   pd_metric *m_requests, *m_kv_bytes, *m_kv_seconds, *m_kv_transfers, *m_errors_invalid,
@@ -298,7 +297,7 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
       const double t0 = pd_mono_s();
       st = pd_node_kv_pack(n, &s, ev->block_table, nb, off, frames[f], len, e);
       const double t1 = pd_mono_s();
-      if (g.checksum) crc = pd_crcpool_crc32(n->kv_crc, crc, frames[f], len);
+      crc = pd_crcpool_crc32(n->kv_crc, crc, frames[f], len);
       t_pack += t1 - t0;
       t_check += pd_mono_s() - t1;
       lens[f] = len;
@@ -332,10 +331,8 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
     h.offset = pd_kvpack_offset(&n->pages, &s, nb);
     h.n_frame_bytes = (size_t)nf;
     h.frame_bytes = fb;
-    if (g.checksum) {
-      h.checksum_opt_case = PD__KV_TRANSFER_HEADER__CHECKSUM_OPT_CRC32;
-      h.crc32 = crc;
-    }
+    h.checksum_opt_case = PD__KV_TRANSFER_HEADER__CHECKSUM_OPT_CRC32;
+    h.crc32 = crc;
     Pd__Envelope env;
     pd_wire_envelope_init(&env);
     env.body_case = PD__ENVELOPE__BODY_KV_HEADER;
@@ -618,10 +615,6 @@ int main(int argc, char **argv) {
   pd_node_install_signals();
   pd_node_tune_malloc(); /* KV frames stay on the heap (no page faults per frame) */
   g.chunk_bytes = (size_t)o.kv_chunk_mb << 20;
-  {
-    const char *ev = getenv("PD_KV_CHECKSUM");
-    g.checksum = !(ev && !strcmp(ev, "0"));
-  }
   pd_node_hooks hooks = {.fill_load = fill_load, .on_router_msg = on_router_msg,
                          .on_router_reset = on_router_reset};
   pd_err e = {0};

@@ -76,6 +76,7 @@ struct pd_engine {
   int32_t *h_meta; /* tokens, pos, slots, rows [B each], qstart [B + 1], ctx [B], bt [B, mbw] */
   size_t h_meta_n;
   double forward_s; /* wall time inside pd_engine_forward */
+  pd_err pending; /* a recoverable backend failure of the pass in flight (ops.take_error) */
 };
 
 static double now_s(void) {
@@ -85,6 +86,16 @@ static double now_s(void) {
 }
 
 double pd_engine_forward_seconds(const pd_engine *g) { return g->forward_s; }
+
+/* Collects the backend's recoverable failure, if any, into g->pending (the first one of the
+ * pass is kept); true when the pass has one. */
+static bool take_pending(pd_engine *g) {
+  pd_backend *be = g->be;
+  pd_err e = {0};
+  if (be->ops.take_error && be->ops.take_error(be, &e) != PD_OK && g->pending.code == PD_OK)
+    g->pending = e;
+  return g->pending.code != PD_OK;
+}
 
 void pd_engine_opts_default(pd_engine_opts *o) {
   memset(o, 0, sizeof *o);
@@ -698,13 +709,18 @@ static bool forward_graph(pd_engine *g, const pd_batch *b) {
      * record it for the next steps. */
     if (hm) be->ops.to_device_async(be, g->d_gmeta, hm, bytes);
     run_model(g, B, B, mbw, max_ctx, B, all_rows);
+    be->ops.sync(be);
+    if (take_pending(g)) { /* (scratch could not grow: no graph; a later step tries again) */
+      if (hm) be->ops.host_free(be, hm);
+      g->dm = g->dm_eager;
+      return true;
+    }
     gr = &g->graphs[g->n_graphs++];
     gr->B = B;
     gr->mbw = mbw;
     gr->all_rows = all_rows;
     gr->exec = NULL;
     gr->hm = hm;
-    be->ops.sync(be);
     if (be->ops.capture_begin(be)) {
       if (hm) be->ops.to_device_async(be, g->d_gmeta, hm, bytes);
       run_model(g, B, B, mbw, max_ctx, B, all_rows);
@@ -729,6 +745,7 @@ pd_status pd_engine_submit(pd_engine *g, const pd_batch *b, pd_err *e) {
       if (b->ctx_len[s] > max_ctx) max_ctx = b->ctx_len[s];
     run_model(g, b->n_tokens, b->n_seqs, b->max_blocks, max_ctx, b->n_logits, rows_all(b));
   }
+  take_pending(g);
   g->forward_s += now_s() - t0;
   return PD_OK;
 }
@@ -750,6 +767,12 @@ pd_status pd_engine_finish(pd_engine *g, const pd_batch *b, float *logits, pd_er
   pd_err be_err = {0};
   if (pd_backend_status(be, &be_err) != PD_OK)
     return pd_err_set(e, PD_EBACKEND, "the device failed: %s", be_err.msg);
+  /* a recoverable failure (no memory for scratch): this pass has no result; the next may */
+  if (take_pending(g)) {
+    pd_status st = pd_err_set(e, g->pending.code, "%s", g->pending.msg);
+    g->pending = (pd_err){0};
+    return st;
+  }
   return PD_OK;
 }
 

@@ -34,6 +34,7 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   o->kv_chunk_mb = 4;
   o->kv_pinned_mb = 256;
   o->kv_crc_threads = 4;
+  o->kv_budget_ms = -1.0;
   bool decode = role == PD__ROLE__ROLE_DECODE;
   pd_opt opts[48] = {
       {"model", PD_OPT_STR, &o->model_dir, "DIR", "Hugging Face model folder (required)", NULL},
@@ -59,6 +60,9 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
       {"kv-crc-threads", PD_OPT_INT, &o->kv_crc_threads, "N",
        "threads that checksum a KV message, the loop's included (4; 0 or 1 = the loop only)",
        NULL},
+      {"kv-budget-ms", PD_OPT_DOUBLE, &o->kv_budget_ms, "MS",
+       "decode: time a loop turn spends on received KV pages while sequences decode (default: "
+       "about one step, 2-20 ms; 0 = everything queued)", NULL},
       {"curve-secret-file", PD_OPT_STR, &o->curve_secret_file, "FILE",
        "this node's CURVE keypair (zcert format)", NULL},
       {"curve-secret-key", PD_OPT_STR, &o->curve_secret_key, "Z85",
@@ -113,6 +117,10 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   }
   if (o->kv_pinned_mb < 0 || o->kv_pinned_mb > 1048576) {
     fprintf(stderr, "%s: --kv-pinned-mb must be in [0, 1048576]\n", prog);
+    return 1;
+  }
+  if (!(o->kv_budget_ms == -1.0 || (o->kv_budget_ms >= 0.0 && o->kv_budget_ms <= 10000.0))) {
+    fprintf(stderr, "%s: --kv-budget-ms must be in [0, 10000]\n", prog);
     return 1;
   }
   if (o->kv_crc_threads < 0 || o->kv_crc_threads > 64) {

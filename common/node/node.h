@@ -92,6 +92,8 @@ typedef struct pd_node_opts {
   int kv_pinned_mb; /* page-locked KV memory in MiB (0 = off): prefill: cap of the frame pool;
                        decode: cap of the receive buffer (kv_rx) */
   int kv_crc_threads; /* threads for a KV message's CRC-32, the loop's included (0, 1: the loop) */
+  double kv_budget_ms; /* decode: KV page work per loop turn while sequences decode (-1: about
+                          one step, 2-20 ms; 0: everything queued) */
   const char *curve_secret_file, *curve_secret_key, *router_public_key, *curve_allow_file;
   bool insecure;         /* run without the cluster's keys (logs a warning) */
   int fail_device_after; /* testing: inject a device fault after this many steps (0 = never) */

@@ -153,8 +153,9 @@ static bool use_avx2(void) {
   int v = atomic_load_explicit(&g_avx2, memory_order_relaxed);
   if (v < 0) {
     __builtin_cpu_init();
-    const char *off = getenv("PD_SAMPLE_NO_AVX2");
-    v = __builtin_cpu_supports("avx2") && !(off && *off && strcmp(off, "0") != 0);
+    /* PD_CPU_ISA=generic (docs/cluster.md): the portable kernels here too */
+    const char *isa = getenv("PD_CPU_ISA");
+    v = __builtin_cpu_supports("avx2") && !(isa && !strcmp(isa, "generic"));
     atomic_store_explicit(&g_avx2, v, memory_order_relaxed);
   }
   return v == 1;

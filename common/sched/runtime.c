@@ -39,6 +39,9 @@ int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap) {
        "GPU: run every step op by op (no CUDA graphs)", NULL},
       {"no-device-sampling", PD_OPT_BOOL, &o->no_device_sampling, NULL,
        "GPU: sample on the host instead of the device", NULL},
+      {"profile-gpu", PD_OPT_BOOL, &o->profile_gpu, NULL,
+       "GPU: time every op and graph replay; the table goes to stderr at exit (with "
+       "--enforce-eager: every op of a decode step)", NULL},
   };
   int n = (int)(sizeof t / sizeof t[0]);
   if (n + 1 > cap) return -1;
@@ -71,7 +74,7 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
 
   /* backend */
   bool gpu = false;
-  pd_backend_opts bo = {.n_threads = o->threads};
+  pd_backend_opts bo = {.n_threads = o->threads, .profile = o->profile_gpu};
   rt->be = pd_backend_open(o->device, &bo, &gpu, e);
   if (!rt->be) goto fail;
   pd_dtype kv_dt = gpu ? PD_DTYPE_BF16 : PD_DTYPE_F32;

@@ -586,7 +586,8 @@ int main(int argc, char **argv) {
     return 77;
   }
   pd_err e = {};
-  pd_backend_opts o = {0, dev};
+  pd_backend_opts o = {};
+  o.device = dev;
   be = pd_backend_cuda_create(&o, &e);
   if (!be) {
     fprintf(stderr, "pd_backend_cuda_create: %s\n", e.msg);

@@ -717,17 +717,11 @@ bool tma_map(CUtensorMap *m, const void *base, const pd_cuda_attn *a) {
   const cuuint64_t strides[1] = {(cuuint64_t)a->head_dim * 2};
   const cuuint32_t box[2] = {64, (cuuint32_t)(a->block_size < BN ? a->block_size : BN)};
   const cuuint32_t estr[2] = {1, 1};
-  /* PD_CUDA_ATTN_L2_PROMO=256: the 256-byte promotion instead (a measurement switch) */
-  static const CUtensorMapL2promotion promo = [] {
-    const char *ev = getenv("PD_CUDA_ATTN_L2_PROMO");
-    return ev && !strcmp(ev, "256") ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
-                                    : CU_TENSOR_MAP_L2_PROMOTION_NONE;
-  }();
   return fn(m,
             a->kv_dtype == PD_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
             2, const_cast<void *>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CU_TENSOR_MAP_SWIZZLE_128B, promo,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -790,13 +784,9 @@ int pd_cuda_attn_decode_tc_max_cluster(const pd_cuda_attn *a, int cc_major) {
 
 /* The TMA variant (see tma_geom): Hopper and later, head dims 64 and 128, power-of-two pages
  * of 8 to 256 tokens, no window (tiles then start on a page or at a multiple of 64 keys inside
- * one), caches 16-byte aligned, rows indexable in 32 bits, the driver's tensor-map encoder.
- * PD_CUDA_ATTN_TMA=0 turns it off (a measurement switch). */
+ * one), caches 16-byte aligned, rows indexable in 32 bits, the driver's tensor-map encoder. */
 bool pd_cuda_attn_decode_tma_ok(const pd_cuda_attn *a, int cc_major) {
-  static const bool on = [] {
-    const char *ev = getenv("PD_CUDA_ATTN_TMA");
-    return !(ev && !strcmp(ev, "0")) && tma_code_ok();
-  }();
+  static const bool on = tma_code_ok();
   const int bs = a->block_size;
   return on && cc_major >= 9 && pd_cuda_attn_decode_tc_ok(a) && a->head_dim % 64 == 0 &&
          bs >= 8 && bs <= 256 && (bs & (bs - 1)) == 0 && a->window <= 0 &&

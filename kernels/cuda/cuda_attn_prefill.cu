@@ -380,14 +380,7 @@ void prefill_hd(cudaStream_t st, const pd_cuda_attn *a, dim3 grid) {
 } // namespace
 
 int pd_cuda_attn_prefill_bm(int head_dim, int n_tokens, int n_seqs, int group, int max_ctx) {
-  /* PD_CUDA_PREFILL_BM=64 | 128 forces one (a measurement switch; 128 only at head dim 128) */
-  static int forced = -1;
-  if (forced < 0) {
-    const char *ev = getenv("PD_CUDA_PREFILL_BM");
-    forced = ev && (atoi(ev) == 64 || atoi(ev) == 128) ? atoi(ev) : 0;
-  }
   if (head_dim != 128) return 64;
-  if (forced) return forced;
   /* 128-row tiles waste more rows at the ends of short chunks (speculative verification, mixed
    * decode rows) and on the causal diagonal: taken when the sequences bring 128 rows or more
    * each on average over contexts of 2048 or more (H200, 32/8 heads, bf16 cache: 2048 new

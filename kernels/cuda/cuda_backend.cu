@@ -125,11 +125,21 @@ void pd_cuda_grow(cuda_impl *c, void **buf, size_t *size, size_t bytes, bool in_
   *size = 0;
   cudaError_t r = cudaMalloc(buf, bytes);
   if (r != cudaSuccess) {
-    fprintf(stderr, "pdserve cuda backend: cannot allocate %zu bytes of scratch: %s\n", bytes,
-            cudaGetErrorString(r));
-    PD_ASSERT(!"cuda backend: out of device memory for scratch");
+    cudaGetLastError(); /* out of memory is not sticky */
+    *buf = NULL;
+    snprintf(c->soft_msg, sizeof c->soft_msg,
+             "out of GPU memory: %zu bytes of scratch for a batch could not be allocated (%s); "
+             "a smaller --max-batch-tokens or --gpu-memory-utilization leaves room",
+             bytes, cudaGetErrorString(r));
+    throw pd_cuda_scratch_oom{};
   }
   *size = bytes;
+}
+
+void pd_cuda_soft_fail(cuda_impl *c) {
+  if (!c->soft_failed) fprintf(stderr, "pdserve cuda backend: %s\n", c->soft_msg);
+  c->soft_failed = true;
+  c->ho_valid = c->h16_valid = c->n16_valid = c->rk_valid = false;
 }
 
 namespace {
@@ -237,18 +247,10 @@ void cu_sync(pd_backend *be) {
 
 /* ---- matmul ------------------------------------------------------------------------------- */
 
-/* Our GEMV up to gemv_max_m() rows (default 2), cuBLAS above: on the H200 the GEMV reads W at
- * 63-95% of copy bandwidth for M <= 2 but under 60% at M = 8, where cuBLAS does better.
- * PD_CUDA_GEMV_MAX_M (1..8) overrides, for measurements. */
-static int gemv_max_m(void) {
-  static int v = 0;
-  if (!v) {
-    const char *ev = getenv("PD_CUDA_GEMV_MAX_M");
-    int n = ev ? atoi(ev) : 2;
-    v = n >= 1 && n <= PD_CUDA_GEMV_MAX_M ? n : 2;
-  }
-  return v;
-}
+/* Our GEMV up to GEMV_ROWS rows, cuBLAS above: on the H200 the GEMV reads W at 63-95% of copy
+ * bandwidth for M <= 2 but under 60% at M = 8, where cuBLAS does better. */
+enum { GEMV_ROWS = 2 };
+static_assert(GEMV_ROWS <= PD_CUDA_GEMV_MAX_M, "the GEMV kernels take at most 8 rows");
 
 /* cuBLAS: y[M,N] (type yt) = x16[M,K] W[N,K]^T + beta y, 16-bit operands, f32 accumulation.
  * Row-major y = x W^T is, column-major, y^T[N,M] = W^T... : A = W seen as a K x N column-major
@@ -280,7 +282,7 @@ static void matmul_impl(cuda_impl *c, float *y, const float *x, const void *w, p
     CK_LAUNCH(c, "matmul (K = 0)");
     return;
   }
-  if (M <= gemv_max_m()) {
+  if (M <= GEMV_ROWS) {
     pd_cuda_gemv(c->st, y, x, w, wdt, bias, M, N, K, accumulate);
     CK_LAUNCH(c, "gemv");
     return;
@@ -347,16 +349,6 @@ void cu_embed(pd_backend *be, float *y, const void *table, pd_dtype dt, const in
   CK_LAUNCH(c, "embed");
 }
 
-/* PD_CUDA_FUSE_NORM=0: no hand-off, every norm a kernel of its own (a measurement switch) */
-static bool fuse_norm_on(void) {
-  static int v = -1;
-  if (v < 0) {
-    const char *ev = getenv("PD_CUDA_FUSE_NORM");
-    v = !(ev && !strcmp(ev, "0"));
-  }
-  return v != 0;
-}
-
 /* Records the RMSNorm hand-off just queued: y [M, N] with xg = y * g and `parts` partial sums a
  * row in ho_ss[buf], for the next matmul_fused that reads y with norm_w g. */
 static void ho_record(cuda_impl *c, int buf, const float *y, const float *xg, const float *g,
@@ -381,7 +373,7 @@ void cu_embed_fused(pd_backend *be, float *y, const void *table, pd_dtype dt, co
   c->ho_valid = false;
   if (M == 0 || D == 0) return;
   use_device(c);
-  const bool ho_out = fuse_norm_on() && norm_next && xg && M <= 2;
+  const bool ho_out = norm_next && xg && M <= 2;
   const int buf = c->ho_buf ^ 1;
   pd_cuda_embed(c->st, y, table, dt, ids, M, D, ho_out ? norm_next : NULL, ho_out ? xg : NULL,
                 ho_out ? c->ho_ss[buf] : NULL);
@@ -460,18 +452,12 @@ void cu_matmul_glu(pd_backend *be, float *act, float *gu, const float *x, const 
  * batched GEMM where K >= 8192: cuBLAS's own split-K would add a reduce kernel of its own), and
  * one kernel adds them and the bias to y and writes the RMSNorm of the new y in 16 bits into
  * xconv, which the next matmul_fused takes as its operand (n16_*) instead of norming y again:
- * one kernel where cuBLAS's reduce and the norm were two. PD_CUDA_RESID_NORM=0 turns it off (a
- * measurement switch). */
+ * one kernel where cuBLAS's reduce and the norm were two. */
 static int resid_splits(int K) { return K >= 8192 && K % 16 == 0 ? 2 : 1; }
 
 static bool resid_norm_ok(cuda_impl *c, const pd_mm_fused *p, int M, int N, int K) {
-  static int on = -1;
-  if (on < 0) {
-    const char *ev = getenv("PD_CUDA_RESID_NORM");
-    on = !(ev && !strcmp(ev, "0"));
-  }
   const size_t ws = (size_t)resid_splits(K) * M * N * sizeof(float);
-  return on && K > 0 && p->norm_next && p->eps > 0.0f && fuse_norm_on() &&
+  return K > 0 && p->norm_next && p->eps > 0.0f &&
          pd_cuda_rmsnorm16_ok(p->y, p->norm_next, N) &&
          (!p->bias || ((uintptr_t)p->bias & 15) == 0) && c->xconv_size >= (size_t)M * N * 2 &&
          (!c->capturing || c->acc_ws_size >= ws); /* (a capture cannot grow the scratch) */
@@ -547,21 +533,20 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
   c->n16_valid = false;
   if (M == 0 || N == 0) return;
   use_device(c);
-  const bool w16 = p->wdt != PD_DTYPE_F32 && K > 0 && M > gemv_max_m();
+  const bool w16 = p->wdt != PD_DTYPE_F32 && K > 0 && M > GEMV_ROWS;
   if (h16_in && !(w16 && p->wdt == c->h16_dt && !p->norm_w)) {
     /* not taken as the GEMM operand as it is: y is written from it, then read as any x */
     pd_cuda_widen(c->st, const_cast<float *>(p->x), c->xconv, c->h16_dt, (size_t)M * K);
     CK_LAUNCH(c, "widen (16-bit hand-off)");
     h16_in = false;
   }
-  const bool fuse_norm = fuse_norm_on();
-  const bool small = K > 0 && M <= gemv_max_m() &&
+  const bool small = K > 0 && M <= GEMV_ROWS &&
                      pd_cuda_gemv_fused_ok(p->x, p->w, p->wdt, M, K);
   if (small) {
     const float *xs = p->x;
     pd_cuda_gemv_pre pre = {NULL, 0, p->eps}, *prep = NULL;
     if (p->norm_w) {
-      if (ho_in && fuse_norm && pd_cuda_gemv_fused_ok(p->xg, p->w, p->wdt, M, K)) {
+      if (ho_in && pd_cuda_gemv_fused_ok(p->xg, p->w, p->wdt, M, K)) {
         xs = p->xg;
         pre.ss = c->ho_ss[c->ho_buf];
         pre.parts = c->ho_parts;
@@ -583,7 +568,7 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
     default: {
       /* hand-off out: into the buffer this call does not read */
       const int parts = pd_cuda_gemv_next_parts(N);
-      const bool ho_out = fuse_norm && p->norm_next && p->xg && !prep &&
+      const bool ho_out = p->norm_next && p->xg && !prep &&
                           parts <= PD_CUDA_HO_PARTS && M <= 2;
       const int buf = c->ho_buf ^ 1;
       pd_cuda_gemv_fused(c->st, p->y, xs, p->w, p->wdt, p->bias, M, N, K,
@@ -603,16 +588,11 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
   const void *x16 = h16_in || (n16_in && w16) ? c->xconv : NULL;
   /* PD_MM_GLU with y_scratch and 16-bit weights: the SwiGLU writes the next GEMM's operand
    * (into xconv, after this product has read it) instead of y: a quarter of the traffic of f32
-   * out and a conversion (PD_CUDA_GLU_HANDOFF=0 turns it off: a measurement switch) */
-  static int glu_ho = -1;
-  if (glu_ho < 0) {
-    const char *ev = getenv("PD_CUDA_GLU_HANDOFF");
-    glu_ho = !(ev && !strcmp(ev, "0"));
-  }
+   * out and a conversion */
   /* (its operand may be xconv itself, the normed hand-off, where xconv needs no growing: the
    * SwiGLU writes it after the product has read it) */
   const size_t h16_bytes = (size_t)M * (size_t)(K > N / 2 ? K : N / 2) * 2;
-  const bool h16_out = glu_ho && p->epilogue == PD_MM_GLU && p->y_scratch && w16 &&
+  const bool h16_out = p->epilogue == PD_MM_GLU && p->y_scratch && w16 &&
                        (!x16 || c->xconv_size >= h16_bytes);
   if (h16_out) grow(c, &c->xconv, &c->xconv_size, h16_bytes);
   if (x16) {
@@ -669,14 +649,8 @@ void cu_matmul_fused(pd_backend *be, const pd_mm_fused *p) {
       matmul_impl(c, y, x, p->w, p->wdt, p->bias, M, N, K, acc);
     }
     if (p->epilogue == PD_MM_ROPE_KV) {
-      /* left to the attention that reads q_out next (PD_CUDA_ROPE_DEFER=0: never, a
-       * measurement switch) */
-      static int defer = -1;
-      if (defer < 0) {
-        const char *ev = getenv("PD_CUDA_ROPE_DEFER");
-        defer = !(ev && !strcmp(ev, "0"));
-      }
-      if (defer && p->attn_next) {
+      /* left to the attention that reads q_out next */
+      if (p->attn_next) {
         c->rk_valid = true;
         c->rk_q_out = p->q_out;
         c->rk_qkv = y;
@@ -785,14 +759,9 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
   a.split_len = 1 << 30;
   /* out_scratch at the sizes whose o projection runs on cuBLAS: the output goes straight into
    * the 16-bit operand buffer (the rounding the conversion would make) and is handed to the next
-   * matmul_fused as the GLU's product is (PD_CUDA_ATTN_HANDOFF=0: off, a measurement switch) */
-  static int attn_ho = -1;
-  if (attn_ho < 0) {
-    const char *ev = getenv("PD_CUDA_ATTN_HANDOFF");
-    attn_ho = !(ev && !strcmp(ev, "0"));
-  }
+   * matmul_fused as the GLU's product is */
   const size_t ho_bytes = (size_t)b->n_tokens * n_q_heads * a.head_dim * 2;
-  if (attn_ho && b->out_scratch && b->n_tokens > gemv_max_m() &&
+  if (b->out_scratch && b->n_tokens > GEMV_ROWS &&
       (!c->capturing || ho_bytes <= c->xconv_size)) {
     grow(c, &c->xconv, &c->xconv_size, ho_bytes);
     a.out16 = static_cast<__nv_bfloat16 *>(c->xconv);
@@ -806,42 +775,26 @@ void cu_attention(pd_backend *be, float *out, const float *q, const pd_kv_layer 
     CK_LAUNCH(c, "attention (generic)");
     return;
   }
-  /* PD_CUDA_DECODE_ATTN=simt | prefill picks another kernel for decode batches than the default
-   * (tensor cores for 16-bit caches, SIMT otherwise): a measurement switch for the benchmarks. */
-  static int decode_kind = -1; /* 0 default, 1 simt, 2 prefill */
-  if (decode_kind < 0) {
-    const char *ev = getenv("PD_CUDA_DECODE_ATTN");
-    decode_kind = !ev ? 0 : !strcmp(ev, "simt") ? 1 : !strcmp(ev, "prefill") ? 2 : 0;
-  }
-  if (b->n_tokens == b->n_seqs && decode_kind != 2) {
-    /* Pure decode: every sequence brings exactly one token (each brings at least one). */
+  if (b->n_tokens == b->n_seqs) {
+    /* Pure decode: every sequence brings exactly one token (each brings at least one); tensor
+     * cores for 16-bit caches, the SIMT kernel otherwise. */
     int span = a.max_ctx_len;
     if (a.window > 0 && a.window < span) span = a.window;
-    if (decode_kind == 0 && pd_cuda_attn_decode_tc_ok(&a)) {
+    if (pd_cuda_attn_decode_tc_ok(&a)) {
       /* few sequences (batch-1 decode): splits of 64 keys, so that the latency of a block's
        * serial walk over its keys does not set the step's time (H200, Llama-3-8B batch 1 at
        * 128-384 tokens of context: 231 tok/s; 128 keys 229, 256 207, 512 or no split 226) */
       const long long blocks = (long long)a.n_seqs * a.n_kv_heads;
       /* up to 8 splits merge inside a cluster, without the merge kernel (H200, Llama-3-8B
-       * batch 1: 4.24 -> 4.20 ms a step; one sequence over 384 keys 9.5 -> 7.9 us);
-       * PD_CUDA_ATTN_CLUSTER=0 turns that off (a measurement switch) */
-      static int cluster_on = -1;
-      if (cluster_on < 0) {
-        const char *ev = getenv("PD_CUDA_ATTN_CLUSTER");
-        cluster_on = !(ev && !strcmp(ev, "0"));
-      }
-      static int per_sm = -1; /* PD_CUDA_ATTN_TARGET: blocks an SM aimed at (measurement) */
-      if (per_sm < 0) {
-        const char *ev = getenv("PD_CUDA_ATTN_TARGET");
-        per_sm = ev && atoi(ev) > 0 ? atoi(ev) : 6;
-      }
-      choose_splits(c, &a, blocks, (long long)per_sm * c->n_sm, span, blocks < c->n_sm ? 64 : 256,
+       * batch 1: 4.24 -> 4.20 ms a step; one sequence over 384 keys 9.5 -> 7.9 us); the
+       * splits aim at 6 blocks an SM */
+      choose_splits(c, &a, blocks, 6LL * c->n_sm, span, blocks < c->n_sm ? 64 : 256,
                     64);
       /* per sequence (see pd_cuda_attn), except where the splits are of the smallest length,
        * 64 keys: each sequence's own would be 64 too, and a fixed length lets the kernel's
        * first block-table loads go out before the context length is known */
       if (a.n_splits > 1 && a.split_len != 64) a.split_len = 0;
-      a.cluster = cluster_on && a.n_splits > 1 &&
+      a.cluster = a.n_splits > 1 &&
                   a.n_splits <= pd_cuda_attn_decode_tc_max_cluster(&a, c->cc_major);
       /* (not for splits of one tile: batch 1's attention over a few hundred keys is a chain
        * of latencies, where the tensor-map copies' barrier adds one: 4.071 -> 4.080 ms a step) */
@@ -897,6 +850,13 @@ pd_status cu_status(pd_backend *be, pd_err *e) {
   cuda_impl *c = impl_of(be);
   if (c->status == PD_OK) return PD_OK;
   return pd_err_set(e, c->status, "%s", c->msg);
+}
+
+pd_status cu_take_error(pd_backend *be, pd_err *e) {
+  cuda_impl *c = impl_of(be);
+  if (!c->soft_failed) return PD_OK;
+  c->soft_failed = false;
+  return pd_err_set(e, PD_ENOMEM, "%s", c->soft_msg);
 }
 
 /* A real device fault, on purpose: the trap is a sticky launch failure that every later call on
@@ -1008,23 +968,24 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
   be->ops.copy = cu_copy;
   be->ops.to_device_async = cu_to_device_async;
   be->ops.mem_info = cu_mem_info;
-  be->ops.matmul = cu_matmul;
-  be->ops.rmsnorm = cu_rmsnorm;
-  be->ops.add_rmsnorm = cu_add_rmsnorm;
-  be->ops.embed = cu_embed;
-  be->ops.embed_fused = cu_embed_fused;
-  be->ops.rope = cu_rope;
-  be->ops.swiglu = cu_swiglu;
-  be->ops.kv_write = cu_kv_write;
-  be->ops.attention = cu_attention;
-  be->ops.get_rows = cu_get_rows;
-  be->ops.add = cu_add;
+  be->ops.matmul = PD_CUDA_GUARD(cu_matmul);
+  be->ops.rmsnorm = PD_CUDA_GUARD(cu_rmsnorm);
+  be->ops.add_rmsnorm = PD_CUDA_GUARD(cu_add_rmsnorm);
+  be->ops.embed = PD_CUDA_GUARD(cu_embed);
+  be->ops.embed_fused = PD_CUDA_GUARD(cu_embed_fused);
+  be->ops.rope = PD_CUDA_GUARD(cu_rope);
+  be->ops.swiglu = PD_CUDA_GUARD(cu_swiglu);
+  be->ops.kv_write = PD_CUDA_GUARD(cu_kv_write);
+  be->ops.attention = PD_CUDA_GUARD(cu_attention);
+  be->ops.get_rows = PD_CUDA_GUARD(cu_get_rows);
+  be->ops.add = PD_CUDA_GUARD(cu_add);
   be->ops.destroy = cu_destroy;
   be->ops.status = cu_status;
   be->ops.inject_fault = cu_inject_fault;
-  be->ops.matmul_glu = cu_matmul_glu;
-  be->ops.rope_kv_write = cu_rope_kv_write;
-  be->ops.matmul_fused = cu_matmul_fused;
+  be->ops.take_error = cu_take_error;
+  be->ops.matmul_glu = PD_CUDA_GUARD(cu_matmul_glu);
+  be->ops.rope_kv_write = PD_CUDA_GUARD(cu_rope_kv_write);
+  be->ops.matmul_fused = PD_CUDA_GUARD(cu_matmul_fused);
   pd_cuda_register_sample(be);
   pd_cuda_register_kvstage(be);
   pd_cuda_register_graph(be);
@@ -1078,7 +1039,7 @@ extern "C" pd_backend *pd_backend_cuda_create(const pd_backend_opts *o, pd_err *
       break;
     }
   }
-  pd_cuda_profile_wrap(be);
+  if (o && o->profile) pd_cuda_profile_wrap(be);
   return be;
 }
 

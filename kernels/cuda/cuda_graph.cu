@@ -10,7 +10,7 @@ namespace {
 
 bool cu_capture_begin(pd_backend *be) {
   cuda_impl *c = impl_of(be);
-  if (c->status != PD_OK || c->capturing) return false;
+  if (c->status != PD_OK || c->capturing || c->soft_failed) return false;
   pd_cuda_use_device(c);
   if (cudaStreamBeginCapture(c->st, cudaStreamCaptureModeRelaxed) != cudaSuccess) {
     cudaGetLastError();

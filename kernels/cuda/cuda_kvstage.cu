@@ -128,21 +128,17 @@ size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 /* The stream the staging runs on: its own, so that a scatter's copies and its final sync do not
  * wait for a decode step queued on st (a decode node takes KV pages while a step computes; the
- * pages go to reserved blocks no step reads), and a gather waits only for the work before it.
- * PD_CUDA_KV_STREAM=0 keeps everything on st (a measurement switch). */
+ * pages go to reserved blocks no step reads), and a gather waits only for the work before it. */
 cudaStream_t kv_stream(cuda_impl *c) {
   if (c->kv_stream_state == 0) {
-    const char *ev = getenv("PD_CUDA_KV_STREAM");
     c->kv_stream_state = -1;
-    if (!(ev && !strcmp(ev, "0"))) {
-      if (cudaStreamCreateWithFlags(&c->st_kv, cudaStreamNonBlocking) == cudaSuccess &&
-          cudaEventCreateWithFlags(&c->kv_ev, cudaEventDisableTiming) == cudaSuccess) {
-        c->kv_stream_state = 1;
-      } else {
-        cudaGetLastError();
-        if (c->st_kv) cudaStreamDestroy(c->st_kv);
-        c->st_kv = NULL;
-      }
+    if (cudaStreamCreateWithFlags(&c->st_kv, cudaStreamNonBlocking) == cudaSuccess &&
+        cudaEventCreateWithFlags(&c->kv_ev, cudaEventDisableTiming) == cudaSuccess) {
+      c->kv_stream_state = 1;
+    } else { /* (everything on st then) */
+      cudaGetLastError();
+      if (c->st_kv) cudaStreamDestroy(c->st_kv);
+      c->st_kv = NULL;
     }
   }
   return c->kv_stream_state == 1 ? c->st_kv : c->st;
@@ -513,10 +509,10 @@ void cu_host_free(pd_backend *be, void *p) {
 } // namespace
 
 void pd_cuda_register_kvstage(pd_backend *be) {
-  be->ops.kv_gather = cu_kv_gather;
-  be->ops.kv_scatter = cu_kv_scatter;
-  be->ops.kv_gather_runs = cu_kv_gather_runs;
-  be->ops.kv_scatter_runs = cu_kv_scatter_runs;
+  be->ops.kv_gather = PD_CUDA_GUARD_STICKY(cu_kv_gather);
+  be->ops.kv_scatter = PD_CUDA_GUARD_STICKY(cu_kv_scatter);
+  be->ops.kv_gather_runs = PD_CUDA_GUARD_STICKY(cu_kv_gather_runs);
+  be->ops.kv_scatter_runs = PD_CUDA_GUARD_STICKY(cu_kv_scatter_runs);
   be->ops.host_alloc = cu_host_alloc;
   be->ops.host_free = cu_host_free;
 }

@@ -1,4 +1,4 @@
-/* PD_CUDA_PROFILE=1: per-op GPU time of the CUDA backend, for finding where a step's time goes
+/* --profile-gpu (pd_backend_opts.profile): per-op GPU time of the CUDA backend, for finding where a step's time goes
  * on machines without a profiler. Every op of the table is wrapped: CUDA events are recorded
  * around it on the backend's stream (not during a graph capture, so run with --enforce-eager to
  * see the ops of decode steps), the elapsed times are collected at each sync and summed by op and
@@ -312,7 +312,7 @@ void pd_cuda_profile_report(pd_backend *be) {
   for (int i = 0; i < g_prof->n_keys; i++) total += g_prof->keys[i].ms;
   qsort(g_prof->keys, (size_t)g_prof->n_keys, sizeof g_prof->keys[0], cmp_ms);
   fprintf(stderr,
-          "\nPD_CUDA_PROFILE: GPU time by op (eager ops and whole graph replays), %.1f ms in all\n",
+          "\nprofile-gpu: GPU time by op (eager ops and whole graph replays), %.1f ms in all\n",
           total);
   fprintf(stderr, "%-52s %10s %10s %10s %6s\n", "op", "calls", "total ms", "us/call", "%");
   for (int i = 0; i < g_prof->n_keys; i++) {
@@ -326,7 +326,7 @@ void pd_cuda_profile_report(pd_backend *be) {
     const graph_times *x = &g_prof->gt[g];
     if (x->n < 5) continue;
     if (!head)
-      fprintf(stderr, "\nPD_CUDA_PROFILE: graph replays on the GPU's clock (us, means): launch = "
+      fprintf(stderr, "\nprofile-gpu: graph replays on the GPU's clock (us, means): launch = "
                       "from a stamp just before cudaGraphLaunch to the graph's first node; span = "
                       "first to last node; tail = to the sampling's end; host = from the previous "
                       "replay's sampling end to this launch's stamp, over the replays that followed "
@@ -350,8 +350,7 @@ void pd_cuda_profile_report(pd_backend *be) {
 }
 
 void pd_cuda_profile_wrap(pd_backend *be) {
-  const char *ev = getenv("PD_CUDA_PROFILE");
-  if (!ev || !*ev || !strcmp(ev, "0") || g_prof) return;
+  if (g_prof) return;
   prof_state *p = static_cast<prof_state *>(calloc(1, sizeof *p));
   if (!p) return;
   for (int i = 0; i < 2 * kMaxPending; i++)

@@ -82,6 +82,10 @@ struct cuda_impl {
   int kv_stream_state; /* 0 not tried, 1 st_kv in use, -1 staging runs on st */
   pd_status status; /* first failure, sticky */
   char msg[PD_ERR_MSG_MAX];
+  /* a recoverable failure (no device memory for scratch), until take_error: the ops queued
+   * after it do nothing */
+  bool soft_failed;
+  char soft_msg[PD_ERR_MSG_MAX];
 };
 
 inline cuda_impl *impl_of(pd_backend *be) { return static_cast<cuda_impl *>(be->impl); }
@@ -98,8 +102,8 @@ bool pd_cuda_ckb(cuda_impl *c, cublasStatus_t r, const char *what, const char *f
 /* Makes the backend's device current on this thread (cached per thread). */
 void pd_cuda_use_device(cuda_impl *c);
 
-/* Grows a device buffer to at least `bytes` (25% headroom), after a stream sync; fatal when the
- * device is out of memory. Must not run during a graph capture. in_graphs: recorded graphs may
+/* Grows a device buffer to at least `bytes` (25% headroom), after a stream sync; throws
+ * pd_cuda_scratch_oom (the message in c->soft_msg) when the device is out of memory. Must not run during a graph capture. in_graphs: recorded graphs may
  * hold the buffer's address (scratch of ops that decode graphs record): while any graph exists
  * the old buffer is retired instead of freed, and the new one is at least twice as large, so
  * that the retired ones add up to less than it. */
@@ -111,11 +115,54 @@ void pd_cuda_free_retired(cuda_impl *c);
 void pd_cuda_register_sample(pd_backend *be);  /* cuda_sample.cu */
 void pd_cuda_register_kvstage(pd_backend *be); /* cuda_kvstage.cu */
 void pd_cuda_register_graph(pd_backend *be);   /* cuda_graph.cu */
-/* PD_CUDA_PROFILE (cuda_profile.cu): wraps the ops of the first backend created with GPU timers;
+/* --profile-gpu (pd_backend_opts.profile, cuda_profile.cu): wraps the ops of the first backend
+ * created with it with GPU timers;
  * the report is printed (and the timers freed) by destroy. */
 void pd_cuda_profile_wrap(pd_backend *be);
 void pd_cuda_profile_report(pd_backend *be);
 /* Frees what those files allocated in cuda_impl (called by destroy after a stream sync). */
 void pd_cuda_free_extras(cuda_impl *c);
+
+/* What pd_cuda_grow throws when the device has no memory for the scratch; the ops table's entry
+ * points catch it (PD_CUDA_GUARD): the op and the ops after it until take_error do nothing, and
+ * take_error reports PD_ENOMEM, so the engine fails the step and the node goes on. */
+struct pd_cuda_scratch_oom {};
+
+/* Marks the failure recoverable (the hand-offs between ops are dropped with it). */
+void pd_cuda_soft_fail(cuda_impl *c);
+
+/* An op entry point of type void (*)(pd_backend *, A...) wrapped: nothing after a recoverable
+ * failure, and a scratch allocation that fails inside it becomes one. PD_CUDA_GUARD(f). */
+template <typename T, T F> struct pd_cuda_guard;
+template <typename... A, void (*F)(pd_backend *, A...)>
+struct pd_cuda_guard<void (*)(pd_backend *, A...), F> {
+  static void run(pd_backend *be, A... a) {
+    cuda_impl *c = static_cast<cuda_impl *>(be->impl);
+    if (c->soft_failed) return;
+    try {
+      F(be, a...);
+    } catch (const pd_cuda_scratch_oom &) {
+      pd_cuda_soft_fail(c);
+    }
+  }
+};
+#define PD_CUDA_GUARD(f) (pd_cuda_guard<decltype(&f), &f>::run)
+
+/* The same for the KV staging ops, which have no step to fail: a staging buffer that cannot be
+ * allocated is recorded as the backend's (sticky) failure, so that the node leaves the cluster
+ * and its requests move, instead of pages silently missing. */
+template <typename T, T F> struct pd_cuda_guard_sticky;
+template <typename... A, void (*F)(pd_backend *, A...)>
+struct pd_cuda_guard_sticky<void (*)(pd_backend *, A...), F> {
+  static void run(pd_backend *be, A... a) {
+    cuda_impl *c = static_cast<cuda_impl *>(be->impl);
+    try {
+      F(be, a...);
+    } catch (const pd_cuda_scratch_oom &) {
+      pd_cuda_record(c, "KV staging: %s", c->soft_msg);
+    }
+  }
+};
+#define PD_CUDA_GUARD_STICKY(f) (pd_cuda_guard_sticky<decltype(&f), &f>::run)
 
 #endif

@@ -2,10 +2,6 @@
 # build without CUDA and on machines without a GPU (CI), so they are always built.
 pd_add_test(NAME test_cuda_ops SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c
             LABELS gpu TIMEOUT 600)
-# the same (small sizes) with every head-dim-128 prefill tile of 128 rows, short chunks included
-add_test(NAME test_cuda_ops_prefill_bm128 COMMAND test_cuda_ops small)
-set_tests_properties(test_cuda_ops_prefill_bm128 PROPERTIES LABELS gpu TIMEOUT 600
-                     SKIP_RETURN_CODE 77 ENVIRONMENT PD_CUDA_PREFILL_BM=128)
 pd_add_test(NAME test_cuda_golden SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_golden.c
             LABELS gpu TIMEOUT 600 ARGS pycoder-12m)
 foreach(model pycoder-draft-2m pycoder-qwen2-4m tiny-random-llama31)

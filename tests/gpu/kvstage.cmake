@@ -17,4 +17,10 @@ if(Python3_Interpreter_FOUND AND TARGET pdctl AND TARGET pdclient AND TARGET pd-
                    --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR})
   set_tests_properties(test_cluster_gpu PROPERTIES LABELS gpu TIMEOUT 480 SKIP_RETURN_CODE 77
                        RUN_SERIAL TRUE ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
+  # --enforce-eager, --no-device-sampling, --profile-gpu (tests/integration/test_gpu_options.py)
+  add_test(NAME test_gpu_options
+           COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/tests/integration/test_gpu_options.py
+                   --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR})
+  set_tests_properties(test_gpu_options PROPERTIES LABELS gpu TIMEOUT 480 SKIP_RETURN_CODE 77
+                       RUN_SERIAL TRUE ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
 endif()

@@ -90,6 +90,11 @@ static void *down(const void *d, size_t bytes) {
   return h;
 }
 static void gfree(void *d) { g_gpu->ops.free(g_gpu, d); }
+static void *down_be(pd_backend *be, const void *d, size_t bytes) {
+  void *h = xmalloc(bytes);
+  be->ops.to_host(be, h, d, bytes);
+  return h;
+}
 
 /* max |a - ref| / max |ref|; infinite when a holds a NaN or ref is all zeros but a is not. */
 static double rel_err(const float *a, const float *ref, size_t n) {
@@ -774,6 +779,25 @@ static void test_attention(void) {
     attn_case c = {"prefill long prefix", 2, n_new, ctx, 32, 8, 128, 16, k_dts[d], 0, tol_tc};
     run_attn(&c);
   }
+  /* 128-row tiles (head dim 128, sequences bringing 128 query rows or more each on average over
+   * contexts of 2048 or more: pd_cuda_attn_prefill_bm): short chunks and single decode rows
+   * among them, whose tiles are mostly past their rows' ends, and the causal diagonal inside a
+   * tile; the same sizes in small mode */
+  static const int bm_new[] = {1, 40, 100, 300, 7};
+  static const int bm_ctx[] = {2100, 2048, 2500, 300, 2055};
+  for (int s = 0; s < 5; s++) {
+    n_new[s] = bm_new[s];
+    ctx[s] = bm_ctx[s];
+  }
+  for (int d = 0; d < 3; d++) {
+    attn_case c = {"prefill 128-row tiles", 5, n_new, ctx, 32, 8, 128, 16, k_dts[d], 0, tol_tc};
+    run_attn(&c);
+    if (d == 0) {
+      c.window = 700;
+      c.name = "prefill 128-row tiles window";
+      run_attn(&c);
+    }
+  }
   /* one long prompt */
   if (!g_small) {
     n_new[0] = ctx[0] = 4096;
@@ -1248,6 +1272,69 @@ static void test_mm_glu_handoff(void) {
       }
 }
 
+/* No device memory for an op's scratch (a batch larger than any before, with the GPU full): the
+ * op fails recoverably, not fatally: take_error reports PD_ENOMEM once, the ops queued after it do
+ * nothing until then, the backend's status stays OK, and once memory is free again the same op
+ * gives the right result. A backend of its own (its scratch at the initial sizes). */
+static void test_scratch_oom(void) {
+  pd_err e = {0};
+  pd_backend *be = pd_backend_cuda_create(NULL, &e);
+  REQUIRE(be && be->ops.take_error && be->ops.mem_info);
+  const int M = 4096, N = 256, K = 4096; /* cuBLAS: x as a 32 MiB bf16 operand in scratch */
+  float *x = rand_f32((size_t)M * K, -1, 1);
+  void *w = rand_dt(PD_DTYPE_BF16, (size_t)N * K, -0.02f, 0.02f);
+  float *ref = xmalloc((size_t)M * N * sizeof *ref);
+  g_cpu->ops.matmul(g_cpu, ref, x, w, PD_DTYPE_BF16, NULL, M, N, K);
+  float *dx = be->ops.alloc(be, (size_t)M * K * 4), *dy = be->ops.alloc(be, (size_t)M * N * 4);
+  float *d1 = be->ops.alloc(be, (size_t)M * N * 4);
+  void *dw = be->ops.alloc(be, (size_t)N * K * 2);
+  REQUIRE(dx && dy && d1 && dw);
+  be->ops.to_device(be, dx, x, (size_t)M * K * 4);
+  be->ops.to_device(be, dw, w, (size_t)N * K * 2);
+  float *ones = xmalloc((size_t)M * N * 4);
+  for (size_t i = 0; i < (size_t)M * N; i++) ones[i] = 1.0f;
+  be->ops.to_device(be, d1, ones, (size_t)M * N * 4);
+  /* fill the device: 256 MiB pieces, then 4 MiB ones, until nothing more is given */
+  static void *hog[4096];
+  int n_hog = 0;
+  for (size_t piece = 256u << 20; piece >= 4u << 20; piece /= 64)
+    while (n_hog < 4096 && (hog[n_hog] = be->ops.alloc(be, piece)) != NULL) n_hog++;
+  size_t free_b = 0, total_b = 0;
+  be->ops.mem_info(be, &free_b, &total_b);
+  printf("  scratch OOM: %d pieces hold the device, %.1f MiB free\n", n_hog,
+         free_b / 1048576.0);
+  be->ops.matmul(be, dy, dx, dw, PD_DTYPE_BF16, NULL, M, N, K); /* scratch cannot grow */
+  be->ops.add(be, dy, d1, (size_t)M * N);                        /* skipped after that */
+  be->ops.sync(be);
+  CHECKF(pd_backend_status(be, &e) == PD_OK, "scratch OOM made the backend fail: %s", e.msg);
+  pd_status st = be->ops.take_error(be, &e);
+  CHECKF(st == PD_ENOMEM && strstr(e.msg, "out of GPU memory"),
+         "scratch OOM: take_error gave %d (%s), expected PD_ENOMEM", (int)st, e.msg);
+  CHECK(be->ops.take_error(be, &e) == PD_OK); /* taken once */
+  float *y = down_be(be, dy, (size_t)M * N * 4);
+  int touched = 0;
+  for (size_t i = 0; i < (size_t)M * N; i++) touched += y[i] != 0.0f;
+  CHECKF(touched == 0, "scratch OOM: %d outputs written by ops after the failure", touched);
+  free(y);
+  for (int i = 0; i < n_hog; i++) be->ops.free(be, hog[i]);
+  be->ops.matmul(be, dy, dx, dw, PD_DTYPE_BF16, NULL, M, N, K);
+  be->ops.sync(be);
+  CHECK(be->ops.take_error(be, &e) == PD_OK && pd_backend_status(be, &e) == PD_OK);
+  y = down_be(be, dy, (size_t)M * N * 4);
+  double err = rel_err(y, ref, (size_t)M * N);
+  CHECKF(err < 1.5e-2, "matmul after the scratch OOM: error %.3g", err);
+  free(y);
+  free(x);
+  free(w);
+  free(ref);
+  free(ones);
+  be->ops.free(be, dx);
+  be->ops.free(be, dy);
+  be->ops.free(be, d1);
+  be->ops.free(be, dw);
+  pd_backend_destroy(be);
+}
+
 int main(int argc, char **argv) {
   g_small = argc > 1 && strcmp(argv[1], "small") == 0;
   int ndev = pd_cuda_device_count();
@@ -1266,7 +1353,7 @@ int main(int argc, char **argv) {
   REQUIRE(strcmp(g_gpu->ops.name, "cuda") == 0 && !g_gpu->host_memory);
   REQUIRE(pd_backend_cuda_stream(g_gpu) != NULL && pd_backend_cuda_stream(g_cpu) == NULL);
   /* device ordinal out of range */
-  pd_backend_opts bad = {0, ndev};
+  pd_backend_opts bad = {.n_threads = 0, .device = ndev};
   CHECK(pd_backend_cuda_create(&bad, &e) == NULL && e.code == PD_EINVAL);
 
   test_memory();
@@ -1287,6 +1374,7 @@ int main(int argc, char **argv) {
   test_mm_handoff();
   test_embed_handoff();
   test_mm_glu_handoff();
+  test_scratch_oom();
 
   g_gpu->ops.sync(g_gpu);
   CHECKF(pd_backend_cuda_status(g_gpu, &e) == PD_OK, "backend status: %s", e.msg);

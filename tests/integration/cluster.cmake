@@ -16,10 +16,9 @@ if(TARGET pd-router AND TARGET pd-prefill AND TARGET pd-decode)
     # loop while sequences decode: the deferred pages must land all the same
     add_test(NAME test_cluster_load_kv_budget
              COMMAND ${PD_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_cluster_load.py
-                     --build ${CMAKE_BINARY_DIR})
+                     --build ${CMAKE_BINARY_DIR} --decode-arg=--kv-budget-ms=0.001)
     set_tests_properties(test_cluster_load_kv_budget PROPERTIES LABELS integration TIMEOUT 300
-                         SKIP_RETURN_CODE 77 RUN_SERIAL TRUE
-                         ENVIRONMENT PD_DECODE_KV_BUDGET_MS=0.001)
+                         SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
   endif()
 endif()
 # Serving under load on one GPU with CUDA graphs (label gpu: run on a GPU machine; skipped where

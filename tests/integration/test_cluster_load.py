@@ -6,6 +6,7 @@ all complete, greedy ones with the text the same request gives alone; a slow cli
 nothing for seconds) and a vanished client (disconnects mid-stream) block nobody, and the
 vanished one's sequence is aborted on the nodes; a bounded locust run (vLLM-style locust file
 posting to /generate) ends with zero failures."""
+import argparse
 import concurrent.futures as cf
 import csv
 import json
@@ -27,9 +28,13 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Node:\n    def
 
 
 def main():
-    a = pc.args()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", required=True, help="the CMake build folder")
+    ap.add_argument("--decode-arg", action="append", default=[],
+                    help="a flag for the decode nodes (repeatable)")
+    a = ap.parse_args()
     chk = pc.Checks()
-    pc.run_checks(pc.Cluster(a.build), run, chk, n_decode=2)
+    pc.run_checks(pc.Cluster(a.build, decode_args=a.decode_arg), run, chk, n_decode=2)
     return chk.done()
 
 

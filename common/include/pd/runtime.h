@@ -29,6 +29,7 @@ typedef struct pd_runtime_opts {
   bool no_prefix_cache;
   bool enforce_eager;   /* GPU: no graph replay of decode steps */
   bool no_device_sampling; /* GPU: sample on the host (copies every logits row back) */
+  bool profile_gpu;        /* GPU: per-op timers, reported to stderr at exit (--profile-gpu) */
 } pd_runtime_opts;
 
 void pd_runtime_opts_default(pd_runtime_opts *o);

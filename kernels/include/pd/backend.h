@@ -255,6 +255,11 @@ typedef struct pd_backend_ops {
    * and pd-prefill --fail-device-after). CUDA: a kernel that traps, a sticky launch failure seen
    * at the next sync; CPU: a recorded failure. */
   void (*inject_fault)(pd_backend *be);
+  /* Optional (NULL: nothing is recoverable): the recoverable failure since the last call, and
+   * clears it: PD_ENOMEM when the device had no memory for an op's scratch (the CUDA backend
+   * grows its scratch with the batch). The ops queued after such a failure, up to this call, do
+   * nothing: a forward pass that saw one has no defined result, but the backend stays usable. */
+  pd_status (*take_error)(pd_backend *be, pd_err *e);
 
   /* ---- optional extensions (NULL where a backend does not have them) ---- */
 
@@ -323,6 +328,8 @@ struct pd_backend {
 typedef struct pd_backend_opts {
   int n_threads; /* CPU: worker threads, 0 = all online cores */
   int device;    /* CUDA: device ordinal */
+  bool profile;  /* CUDA: time every op and graph replay with GPU events; the table goes to stderr
+                    when the backend is destroyed (--profile-gpu) */
 } pd_backend_opts;
 
 /* The CPU backend, always built. Picks SIMD kernels at run time by what the CPU supports
