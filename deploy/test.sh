@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # Installs, builds and runs every test: the Release build (all labels; gpu tests skip without
-# a GPU), then an ASan+UBSan build of the unit, golden and integration tests. It installs what
-# the tests need (apt: the build dependencies and promtool; pip: tests/integration/
-# requirements.txt, pinned, into build/pyenv), prints a line of counts after each run, and exits
-# non-zero when a test failed or a test other than the gpu ones was skipped.
-#   deploy/test.sh [--no-sanitize]
+# a GPU), then an ASan+UBSan build of the unit, golden and integration tests, then the fuzz
+# targets (tests/fuzz: clang-14, libFuzzer, ASan+UBSan, in build-fuzz), each run for a bounded
+# time. It installs what the tests need (apt: the build dependencies, promtool, clang-14 and
+# libfuzzer-14-dev; pip: tests/integration/requirements.txt, pinned, into build/pyenv), prints a
+# line of counts after each run, and exits non-zero when a test failed, a test other than the
+# gpu ones was skipped, or a fuzz target found a crash, leak, hang or sanitizer report.
+#   deploy/test.sh [--no-sanitize] [--fuzz-seconds N]   (N per target, default 60; 0: no fuzzing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sanitize=1
-[ "${1:-}" = "--no-sanitize" ] && sanitize=0
+fuzz_secs=60
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-sanitize) sanitize=0 ;;
+    --fuzz-seconds) fuzz_secs=${2:?--fuzz-seconds needs a number}; shift ;;
+    *) echo "usage: deploy/test.sh [--no-sanitize] [--fuzz-seconds N]" >&2; exit 2 ;;
+  esac
+  shift
+done
 
 deploy/setup.sh
 jobs=$(nproc)
@@ -26,6 +36,16 @@ if ! command -v promtool > /dev/null; then
   $SUDO apt-get install -y -qq --no-install-recommends prometheus > /dev/null 2>&1 ||
     { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends prometheus \
         > /dev/null; }
+fi
+# clang-14 and libFuzzer for the fuzz targets (tests/fuzz)
+if [ "$fuzz_secs" != 0 ] && ! { command -v clang-14 > /dev/null &&
+                                dpkg-query -W -f='${Status}' libfuzzer-14-dev 2>/dev/null |
+                                  grep -q "install ok installed"; }; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get install -y -qq --no-install-recommends clang-14 libfuzzer-14-dev > /dev/null 2>&1 ||
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends clang-14 \
+        libfuzzer-14-dev > /dev/null; }
 fi
 if [ ! -x build/pyenv/bin/python3 ]; then
   python3 -m venv build/pyenv
@@ -49,5 +69,19 @@ if [ $sanitize = 1 ]; then
     ctest --test-dir build-asan --output-on-failure -j"$jobs" -L 'unit|golden|integration' \
     --output-junit ctest-junit.xml || status=1
   python3 tests/ctest_summary.py build-asan build-asan/ctest-junit.xml "ASan+UBSan" || status=1
+fi
+
+# The fuzz targets, each for fuzz_secs seconds from its seeds and regressions (tests/fuzz/README.md)
+if [ "$fuzz_secs" != 0 ]; then
+  mkdir -p build-fuzz
+  if CC=clang-14 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPD_FUZZ=ON \
+       -DPD_CUDA=OFF -DPD_BUILD_TESTS=OFF > build-fuzz/build.log 2>&1 &&
+     cmake --build build-fuzz -j"$jobs" --target fuzz >> build-fuzz/build.log 2>&1; then
+    tests/fuzz/run.sh build-fuzz "$fuzz_secs" || status=1
+  else
+    tail -n 40 build-fuzz/build.log
+    echo "fuzz: the fuzz targets did not build (build-fuzz/build.log)"
+    status=1
+  fi
 fi
 exit $status

@@ -1056,36 +1056,36 @@ static void call_end(router *r, http_call *h) {
   http_refuse(r, h->q, h->st, h->err, h->code);
 }
 
+int api_parse_generation(router *r, rreq *q, api_prep *p, const cJSON *body, char *msg,
+                         size_t cap) {
+  int default_max = q->kind == API_CHAT ? -1 : r->o.default_max_tokens;
+  int st = parse_common(r, q, body, default_max, msg, cap);
+  if (!st && q->kind == API_COMPLETIONS) {
+    if (!get_bool(q, body, "echo", "echo", &q->echo, msg, cap)) st = 400;
+    const cJSON *suffix = field(body, "suffix");
+    if (!st && suffix && (!cJSON_IsString(suffix) || suffix->valuestring[0]))
+      st = refuse_param(q, msg, cap, 400, "suffix", "'suffix' is not supported");
+    /* vLLM: echo with logprobs gives the prompt's tokens their logprobs too, so the prefill
+     * node computes them (and the choices carry prompt_logprobs, as there) */
+    if (!st && q->echo && q->lp_top >= 0 && q->op.p.prompt_logprobs < 0) {
+      q->op.p.prompt_logprobs = q->lp_top;
+      q->want_prompt_lp = true;
+    }
+  }
+  if (st) return st;
+  if (q->kind == API_CHAT) return parse_chat_messages(q, p, body, false, msg, cap);
+  if (q->kind == API_GENERATE && !cJSON_IsString(field(body, "prompt")))
+    return refuse_param(q, msg, cap, 400, "prompt", "'prompt' must be a string");
+  return parse_completion_prompt(q, p, body, msg, cap);
+}
+
 /* Validates and parses the body here (about 3 ms per MB), then hands the prompts to the worker
  * pool: tokenizing and chat templates cost about 0.2 s per MB and would stall every client. */
 static void handle_generation(router *r, pd_http_req *req, const pd_http_request *msg,
                               api_kind kind) {
   http_call h;
   if (!call_begin(r, req, msg, kind, &h)) return;
-  rreq *q = h.q;
-  int default_max = kind == API_CHAT ? -1 : r->o.default_max_tokens;
-  if (!h.st) h.st = parse_common(r, q, h.body, default_max, h.err, sizeof h.err);
-  if (!h.st && kind == API_COMPLETIONS) {
-    if (!get_bool(q, h.body, "echo", "echo", &q->echo, h.err, sizeof h.err)) h.st = 400;
-    const cJSON *suffix = field(h.body, "suffix");
-    if (!h.st && suffix && (!cJSON_IsString(suffix) || suffix->valuestring[0]))
-      h.st = refuse_param(q, h.err, sizeof h.err, 400, "suffix", "'suffix' is not supported");
-    /* vLLM: echo with logprobs gives the prompt's tokens their logprobs too, so the prefill
-     * node computes them (and the choices carry prompt_logprobs, as there) */
-    if (!h.st && q->echo && q->lp_top >= 0 && q->op.p.prompt_logprobs < 0) {
-      q->op.p.prompt_logprobs = q->lp_top;
-      q->want_prompt_lp = true;
-    }
-  }
-  if (!h.st) {
-    const cJSON *b = call_own_body(&h);
-    if (kind == API_CHAT)
-      h.st = parse_chat_messages(q, h.p, b, false, h.err, sizeof h.err);
-    else if (kind == API_GENERATE && !cJSON_IsString(field(b, "prompt")))
-      h.st = refuse_param(q, h.err, sizeof h.err, 400, "prompt", "'prompt' must be a string");
-    else
-      h.st = parse_completion_prompt(q, h.p, b, h.err, sizeof h.err);
-  }
+  if (!h.st) h.st = api_parse_generation(r, h.q, h.p, call_own_body(&h), h.err, sizeof h.err);
   call_end(r, &h);
 }
 

@@ -329,6 +329,14 @@ int api_prep_in_flight(router *r); /* jobs in the pool */
 
 /* api.c */
 void api_http_handler(pd_http_req *req, const pd_http_request *msg, void *ud);
+/* Validates the body of a generation request (q->kind: completions, chat or /generate) as the
+ * HTTP API does, after its "model": sampling parameters, stream options, stop, tools,
+ * response_format and the rest into q, then the prompts or messages into p, which must own body
+ * already (api_prep_own_json). 0, or an HTTP status with msg and q->err_param (the parameter at
+ * fault). Needs no event loop, server or node: the fuzz target tests/fuzz/fuzz_openai.c calls it
+ * with a bare router. */
+int api_parse_generation(router *r, rreq *q, api_prep *p, const cJSON *body, char *msg,
+                         size_t cap);
 void api_req_free(router *r, rreq *q);
 /* Drops q's reference to its HTTP exchange together with the cancel callback (no-op when none
  * is held). */

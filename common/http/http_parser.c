@@ -24,8 +24,24 @@ enum {
   PS_ERROR,
 };
 
-/* Sub-states of PS_CHUNK_LINE / PS_CHUNK_CRLF / PS_TRAILER. */
-enum { CL_HEX, CL_BWS, CL_EXT, CL_LF };
+/* Sub-states of PS_CHUNK_LINE / PS_CHUNK_CRLF / PS_TRAILER. A chunk line is RFC 9112 7.1:
+ *   chunk-size [ chunk-ext ] CRLF
+ *   chunk-ext  = *( BWS ";" BWS chunk-ext-name [ BWS "=" BWS chunk-ext-val ] )
+ *   chunk-ext-name = token; chunk-ext-val = token / quoted-string */
+enum {
+  CL_HEX,        /* chunk-size */
+  CL_BWS,        /* BWS after the size: only before a ';' */
+  CL_NAME0,      /* after ';': BWS, then the name's first tchar */
+  CL_NAME,       /* in the name */
+  CL_NAME_BWS,   /* BWS after the name: '=' or ';' follows */
+  CL_VAL0,       /* after '=': BWS, then a token or a quoted-string */
+  CL_TOKEN,      /* in a token value */
+  CL_QUOTED,     /* in a quoted-string */
+  CL_QPAIR,      /* after a backslash in a quoted-string */
+  CL_VAL_END,    /* right after a quoted-string: BWS, ';' or the CR */
+  CL_VAL_BWS,    /* BWS after a value: only before a ';' */
+  CL_LF,
+};
 enum { TR_LINE_START, TR_NAME, TR_IN_LINE, TR_LINE_LF, TR_END_LF };
 
 #define CHUNK_LINE_MAX 4096 /* bytes of one chunk-size line including extensions */
@@ -36,6 +52,7 @@ struct pd_http_parser {
   int state, sub;
   bool started;
   size_t skipped; /* blank-line bytes before the request line */
+  bool skipped_cr; /* the last of them was a CR: an LF must follow */
 
   char *head; /* request line + headers, then the split path/query copy */
   size_t head_len, head_cap;
@@ -126,6 +143,7 @@ void pd_http_parser_reset(pd_http_parser *p) {
   p->sub = 0;
   p->started = false;
   p->skipped = 0;
+  p->skipped_cr = false;
   p->remaining = p->chunk_size = 0;
   p->line_bytes = 0;
   p->hex_digits = 0;
@@ -213,6 +231,40 @@ static bool conn_token(const char *t, size_t n, void *ud) {
   return true;
 }
 
+static int hexval(unsigned char c);
+
+/* Why t[0, n) is not a request-target of RFC 9112 3.2, by its characters (RFC 3986): NULL when
+ * it is made of unreserved characters, sub-delims, ':', '@', '/', '?' and pct-encoded octets
+ * ('%' and two hex digits), with '[' and ']' only in the authority of an absolute-form target
+ * (an IP literal). So no CTL, SP or non-ASCII byte, no '#' (a fragment is never sent), and
+ * none of " < > \ ^ ` { | }: a target two parsers could split or decode differently is
+ * refused (RFC 9112 3: an invalid request-line gets 400). The forms are checked later. */
+static const char *target_invalid(const char *t, size_t n) {
+  const char *auth = NULL, *auth_end = NULL;
+  if (n && t[0] != '/') {
+    const char *sl = memchr(t, '/', n);
+    if (sl && sl > t && sl[-1] == ':' && (size_t)(sl - t) + 1 < n && sl[1] == '/') {
+      auth = sl + 2;
+      for (auth_end = auth; auth_end < t + n && *auth_end != '/' && *auth_end != '?';) auth_end++;
+    }
+  }
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)t[i];
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+        (c && strchr("-._~!$&'()*+,;=:@/?", c)))
+      continue;
+    if (c == '%') {
+      if (i + 2 >= n || hexval((unsigned char)t[i + 1]) < 0 || hexval((unsigned char)t[i + 2]) < 0)
+        return "invalid percent-encoding in request target";
+      i += 2;
+      continue;
+    }
+    if ((c == '[' || c == ']') && auth && t + i >= auth && t + i < auth_end) continue;
+    return "invalid character in request target";
+  }
+  return NULL;
+}
+
 /* Parses head[0, head_len), which ends with CRLF CRLF, in place. */
 static pd_http_parse_result parse_head(pd_http_parser *p) {
   char *h = p->head;
@@ -251,9 +303,8 @@ static pd_http_parse_result parse_head(pd_http_parser *p) {
   char *target = sp1 + 1;
   char *sp2 = memchr(target, ' ', (size_t)(eol - target));
   if (!sp2 || sp2 == target) return fail(p, 400, "malformed request line");
-  for (char *c = target; c < sp2; c++)
-    if ((unsigned char)*c <= 0x20 || (unsigned char)*c >= 0x7f)
-      return fail(p, 400, "invalid character in request target");
+  const char *why = target_invalid(target, (size_t)(sp2 - target));
+  if (why) return fail(p, 400, why);
   char *ver = sp2 + 1;
   size_t vlen = (size_t)(eol - ver);
   if (vlen != 8 || memcmp(ver, "HTTP/", 5) != 0 || ver[5] < '0' || ver[5] > '9' ||
@@ -409,13 +460,21 @@ static pd_http_parse_result feed_head(pd_http_parser *p, const char *d, size_t l
                                       size_t *used) {
   size_t i = 0;
   if (p->head_len == 0) {
-    /* RFC 9112 2.2: ignore blank lines before the request line (bounded). */
-    while (i < len && (d[i] == '\r' || d[i] == '\n')) i++;
-    if (i > 0) p->started = true;
-    p->skipped += i;
-    if (p->skipped > p->lim.max_head_bytes) {
+    /* RFC 9112 2.2: ignore blank lines (CRLF, or a bare LF) before the request line (bounded);
+     * a bare CR there is invalid (2.2: a bare CR makes its element invalid). Both errors are
+     * found byte by byte, so the first in the stream is the one reported however it arrives. */
+    for (; i < len && (d[i] == '\r' || d[i] == '\n'); i++) {
+      if (p->skipped_cr && d[i] != '\n') break;
+      p->skipped_cr = d[i] == '\r';
+      p->started = true;
+      if (++p->skipped > p->lim.max_head_bytes) {
+        *used = i + 1;
+        return fail(p, 400, "too many blank lines before the request");
+      }
+    }
+    if (p->skipped_cr && i < len) {
       *used = i;
-      return fail(p, 400, "too many blank lines before the request");
+      return fail(p, 400, "bare CR before the request line");
     }
     if (i == len) {
       *used = len;
@@ -496,6 +555,34 @@ static int hexval(unsigned char c) {
   return -1;
 }
 
+/* The chunk-line sub-state after byte c in state st (CL_BWS .. CL_VAL_END), or -1 when c may
+ * not come there. Whitespace only where RFC 9112 7.1.1 has BWS; nothing after the size but
+ * extensions (a "5 " line is refused: whitespace without a ';' is no extension, and a parser
+ * that skipped it could disagree with one that did not on where the chunk starts). */
+static int chunk_ext_step(int st, unsigned char c) {
+  bool ws = c == ' ' || c == '\t';
+  switch (st) {
+    case CL_BWS: return ws ? CL_BWS : c == ';' ? CL_NAME0 : -1;
+    case CL_NAME0: return ws ? CL_NAME0 : pdh_is_tchar(c) ? CL_NAME : -1;
+    case CL_NAME:
+      if (pdh_is_tchar(c)) return CL_NAME;
+      return ws ? CL_NAME_BWS : c == '=' ? CL_VAL0 : c == ';' ? CL_NAME0 : c == '\r' ? CL_LF : -1;
+    case CL_NAME_BWS: return ws ? CL_NAME_BWS : c == '=' ? CL_VAL0 : c == ';' ? CL_NAME0 : -1;
+    case CL_VAL0: return ws ? CL_VAL0 : c == '"' ? CL_QUOTED : pdh_is_tchar(c) ? CL_TOKEN : -1;
+    case CL_TOKEN:
+      if (pdh_is_tchar(c)) return CL_TOKEN;
+      return ws ? CL_VAL_BWS : c == ';' ? CL_NAME0 : c == '\r' ? CL_LF : -1;
+    case CL_QUOTED: /* qdtext = HTAB / SP / %x21 / %x23-5B / %x5D-7E / obs-text */
+      if (c == '"') return CL_VAL_END;
+      if (c == '\\') return CL_QPAIR;
+      return ws || (c >= 0x21 && c != 0x7f) ? CL_QUOTED : -1;
+    case CL_QPAIR: return ws || (c >= 0x21 && c != 0x7f) ? CL_QUOTED : -1;
+    case CL_VAL_END: return ws ? CL_VAL_BWS : c == ';' ? CL_NAME0 : c == '\r' ? CL_LF : -1;
+    case CL_VAL_BWS: return ws ? CL_VAL_BWS : c == ';' ? CL_NAME0 : -1;
+    default: return -1;
+  }
+}
+
 static pd_http_parse_result finish(pd_http_parser *p) {
   if (p->body) {
     p->body[p->body_len] = 0;
@@ -553,7 +640,7 @@ pd_http_parse_result pd_http_parser_feed(pd_http_parser *p, const void *data, si
               return fail_body(p);
             }
           } else if (p->hex_digits > 0 && c == ';') {
-            p->sub = CL_EXT;
+            p->sub = CL_NAME0;
           } else if (p->hex_digits > 0 && (c == ' ' || c == '\t')) {
             p->sub = CL_BWS;
           } else if (p->hex_digits > 0 && c == '\r') {
@@ -562,22 +649,14 @@ pd_http_parse_result pd_http_parser_feed(pd_http_parser *p, const void *data, si
             *consumed = i;
             return fail(p, 400, "malformed chunk size");
           }
-        } else if (p->sub == CL_BWS) { /* only whitespace before ';' or the CRLF */
-          if (c == ';') {
-            p->sub = CL_EXT;
-          } else if (c == '\r') {
-            p->sub = CL_LF;
-          } else if (c != ' ' && c != '\t') {
+        } else if (p->sub != CL_LF) {
+          int next = chunk_ext_step(p->sub, c);
+          if (next < 0) {
             *consumed = i;
-            return fail(p, 400, "malformed chunk size");
+            return fail(p, 400, p->sub == CL_BWS ? "malformed chunk size"
+                                                 : "malformed chunk extension");
           }
-        } else if (p->sub == CL_EXT) {
-          if (c == '\r') {
-            p->sub = CL_LF;
-          } else if (!is_field_char(c)) {
-            *consumed = i;
-            return fail(p, 400, "malformed chunk extension");
-          }
+          p->sub = next;
         } else { /* CL_LF */
           if (c != '\n') {
             *consumed = i;

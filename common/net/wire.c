@@ -82,16 +82,22 @@ static bool get_varint(const uint8_t *b, size_t n, size_t *i, uint64_t *v) {
   return false;
 }
 
+#define FIELD_NUMBER_0 "#0" /* nul_in_strings' answer for a field number 0 */
+
 /* The name of a string field of the encoded message b[0, n) of type d (at any depth) that holds
  * a NUL byte, or NULL. protobuf-c hands strings over as C strings, so such a string would end
  * at its NUL without a word (a prompt cut short, as a raw NUL in JSON once did over HTTP); the
- * JSON API refuses U+0000 the same way. Encodings the unpacker refused never get here. */
+ * JSON API refuses U+0000 the same way. Encodings the unpacker refused never get here.
+ * FIELD_NUMBER_0 for a field numbered 0, which protobuf forbids: protobuf-c refuses its key in
+ * one byte but keeps one written in more (0x85 0x00) as an unknown field, which it packs again
+ * in one byte, so the message would not decode again (found by tests/fuzz/fuzz_wire.c). */
 static const char *nul_in_strings(const ProtobufCMessageDescriptor *d, const uint8_t *b, size_t n,
                                   int depth) {
   size_t i = 0;
   while (i < n) {
     uint64_t key, v;
     if (!get_varint(b, n, &i, &key)) return NULL;
+    if (key >> 3 == 0) return FIELD_NUMBER_0;
     switch (key & 7) {
       case 0:
         if (!get_varint(b, n, &i, &v)) return NULL;
@@ -140,6 +146,8 @@ pd_status pd_wire_decode(pd_wire_msg *m, const void *buf, size_t len, const pd_w
   const char *nul = nul_in_strings(&pd__envelope__descriptor, buf, len, 0);
   if (nul) {
     pd_wire_msg_clear(m);
+    if (!strcmp(nul, FIELD_NUMBER_0))
+      return pd_err_set(e, PD_EFORMAT, "undecodable message: a field numbered 0");
     return pd_err_set(e, PD_EINVAL, "the string field %s holds a NUL byte", nul);
   }
   pd_status st = pd_wire_validate(m->env, l, e);

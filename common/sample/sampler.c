@@ -331,7 +331,8 @@ pd_sample_ws *pd_sample_ws_new(int32_t max_vocab, pd_err *e) {
   pd_sample_ws *ws = calloc(1, sizeof *ws);
   if (!ws) goto oom;
   ws->cap = max_vocab;
-  bool ok = cset_alloc(&ws->sub, n) & cset_alloc(&ws->scratch, n);
+  bool ok_sub = cset_alloc(&ws->sub, n), ok_scratch = cset_alloc(&ws->scratch, n); /* both */
+  bool ok = ok_sub && ok_scratch;
   ws->c.w = malloc(n * sizeof(float)); /* c.v stays NULL: see the struct */
   ws->c.id = malloc(n * sizeof(int32_t));
   ok = ok && ws->c.w && ws->c.id;

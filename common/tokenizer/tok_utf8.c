@@ -139,7 +139,7 @@ size_t tk_utf8_lossy(tk_buf *out, const unsigned char *s, size_t n, bool final) 
     i += sub;
     run = i;
   }
-  if (!tk_buf_put(out, s + run, n - run)) return (size_t)-1;
+  if (n > run && !tk_buf_put(out, s + run, n - run)) return (size_t)-1; /* s may be NULL if n == 0 */
   return n;
 }
 

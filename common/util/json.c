@@ -113,7 +113,10 @@ static char *parse_string(parser *p, int depth, size_t *len) {
     }
     if (c == '\\') {
       escapes = true;
-      if (i + 1 >= p->n) continue; /* reported as unterminated */
+      if (i + 1 >= p->n) { /* a backslash as the last byte: nothing follows to escape */
+        fail_at(p, p->i, depth, "unterminated string");
+        return NULL;
+      }
       char x = s[i + 1];
       if (x == 'u') {
         long cp = hex4(p, i + 2);

@@ -13,6 +13,9 @@
 #include <unistd.h>
 
 #include "cpu_internal.h"
+#if PD_CPU_X86
+#include <cpuid.h>
+#endif
 
 /* Work below these sizes runs on the calling thread: a fork/join costs well under a microsecond,
  * but handing a few KiB of activations to another core and back costs more than it saves. */
@@ -636,8 +639,11 @@ static const pd_cpu_kern *pick_kernels(pd_err *e) {
   int level = 0; /* 0 generic, 1 avx2, 2 avx512 */
 #if PD_CPU_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
+  /* F16C from CPUID leaf 1 (ECX bit 29): clang before 15 has no "f16c" for
+   * __builtin_cpu_supports */
+  unsigned a, b, c, d;
+  bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c)
     level = 1;
   if (level == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))

@@ -125,7 +125,8 @@ static void test_post_and_pipelining(void) {
 
 static void test_chunked(void) {
   const char *s = "POST /c HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
-                  "5\r\nhello\r\n1;name=val\r\n \r\nA  \r\n0123456789\r\n0\r\nX-Trailer: 1\r\n\r\n";
+                  "5\r\nhello\r\n1;name=val\r\n \r\nA ; q = \"a \\\" b\"\t;t;u=v\r\n0123456789\r\n"
+                  "0\r\nX-Trailer: 1\r\n\r\n";
   for (int rep = 0; rep < 50; rep++) {
     pd_http_parser *p = mk();
     size_t used = 0;
@@ -162,7 +163,10 @@ static void test_forms_and_versions(void) {
       {"GET / HTTP/1.1\r\nHost: h\r\nConnection: foo, close\r\n\r\n", "/", "", 1, false, false},
       {"GET / HTTP/1.9\r\nHost: h\r\n\r\n", "/", "", 1, true, false},
       {"GET /? HTTP/1.1\r\nHost: h\r\n\r\n", "/", "", 1, true, false},
+      {"GET http://[::1]:80/a%2Fb?c=%7e:@!$&'()*+,;= HTTP/1.1\r\nHost: h\r\n\r\n", "/a%2Fb",
+       "c=%7e:@!$&'()*+,;=", 1, true, false},
       {"\r\n\r\nGET /x HTTP/1.1\r\nHost: h\r\n\r\n", "/x", "", 1, true, false},
+      {"\n\r\n\nGET /x HTTP/1.1\r\nHost: h\r\n\r\n", "/x", "", 1, true, false},
       {"GET /e HTTP/1.1\r\nHost: h\r\nExpect: 100-Continue\r\n\r\n", "/e", "", 1, true, true},
       {"GET /e HTTP/1.0\r\nExpect: 100-continue\r\n\r\n", "/e", "", 0, false, false},
       {"GET /%7Euser HTTP/1.1\r\nHost: h\r\nX-Empty:\r\nX-Obs: caf\xc3\xa9\r\n\r\n", "/%7Euser", "",
@@ -207,6 +211,15 @@ static void test_errors(void) {
       {"G@T / HTTP/1.1\r\nHost: a\r\n\r\n", 400},                             /* bad method */
       {"GET /a\x01 HTTP/1.1\r\nHost: a\r\n\r\n", 400},                        /* CTL in target */
       {"GET /\xc3\xa9 HTTP/1.1\r\nHost: a\r\n\r\n", 400},                     /* non-ASCII target */
+      /* RFC 3986 characters only (differential test against llhttp) */
+      {"GET /a{b} HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"GET /a#frag HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"GET /a\"b HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"GET /a?b|c HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"GET http://h\\/x HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"GET /[x] HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"GET /%zz HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"GET /a%4 HTTP/1.1\r\nHost: a\r\n\r\n", 400},
       {"GET * HTTP/1.1\r\nHost: a\r\n\r\n", 400},                             /* * not OPTIONS */
       {"GET example.com:443 HTTP/1.1\r\nHost: a\r\n\r\n", 400},               /* authority form */
       {"GET / HTTP/2.0\r\nHost: a\r\n\r\n", 505},
@@ -240,6 +253,22 @@ static void test_errors(void) {
       {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n\r\n", 400},
       {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\nabc", 400},
       {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3 x\r\nabc", 400},
+      /* chunk lines as RFC 9112 7.1.1 has them (differential test against llhttp): whitespace
+       * only as BWS around ';' and '=', names and values tokens or quoted-strings */
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3 \r\nabc", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\t\r\nabc", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;a=b \r\nabc", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;a \r\nabc", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;=b\r\nabc", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;a=\r\nabc", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;a=b,c\r\nabc", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;a=\"b\r\nabc", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;a=\"b\"c\r\nabc", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;a=\"\x01\"\r\nabc", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;;\r\nabc", 400},
+      /* a bare CR before the request line (RFC 9112 2.2), where blank lines are skipped */
+      {"\rGET / HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"\r\n\r\rGET / HTTP/1.1\r\nHost: a\r\n\r\n", 400},
       {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcX\r\n", 400},
       {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3e9\r\n", 413},
       {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffffffffffff\r\n", 413},
@@ -266,6 +295,26 @@ static void test_errors(void) {
       pd_http_parser_reset(p);
       const char *ok = "GET / HTTP/1.1\r\nHost: a\r\n\r\n";
       CHECK(feed_all(p, ok, strlen(ok), NULL) == PD_HTTP_PARSE_DONE);
+      pd_http_parser_free(p);
+    }
+  }
+  /* Blank lines over the head limit, then a bare CR: the first error in the stream is the one
+   * reported, whole or in pieces (found by fuzz_http, corpus http/crash-blank-lines-then-bare-cr) */
+  {
+    static char blanks[4200];
+    size_t n = 4100;
+    memset(blanks, '\n', n);
+    memcpy(blanks + n, "\r\n\rGET", 6);
+    n += 6;
+    for (int mode = 0; mode < 3; mode++) {
+      pd_http_parser *p = mk();
+      size_t used = 0;
+      pd_http_parse_result r = mode == 0 ? feed_all(p, blanks, n, &used)
+                                         : feed_split(p, blanks, n, mode == 1 ? 7 : 1, &used);
+      const char *msg = pd_http_parser_error_msg(p);
+      CHECKF(r == PD_HTTP_PARSE_ERROR && strstr(msg, "too many blank lines"),
+             "mode %d: result %d (%s)", mode, r, msg);
+      CHECK(used <= n);
       pd_http_parser_free(p);
     }
   }

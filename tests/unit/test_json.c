@@ -82,6 +82,9 @@ static const reject_case rejects[] = {
     {"{\"a\": nul", 0, "a", "expected a value"},
     {"{\"a\": True}", 0, "a", "expected a value"},
     {"{\"a\": \"open", 0, "a", "unterminated string"},
+    /* a backslash as the last byte once looped for ever (tests/fuzz/fuzz_openai.c) */
+    {"{\"mo\": \"pycoder-\\\\\\\\\\\\\\", 0, "mo", "unterminated string"},
+    {"\"\\", 0, "", "unterminated string"},
     {"{\"a\": \"x\\q\"}", 0, "a", "invalid escape"},
     {"{\"a\": \"\\u12\"}", 0, "a", "four hex digits"},
     {"{\"a\": \"\\u12g4\"}", 0, "a", "four hex digits"},

@@ -576,6 +576,49 @@ static void test_nul_in_strings(void) {
   }
 }
 
+/* A field numbered 0 is refused at any depth, its key written in one byte (which protobuf-c
+ * refuses itself) or in two (0x85 0x00, which it took for an unknown field that it then
+ * re-encoded into the one-byte form: a message that decoded but whose re-encoding did not;
+ * found by tests/fuzz/fuzz_wire.c). */
+static void test_field_number_0(void) {
+  pd_wire_limits l;
+  limits_node(&l);
+  Pd__Envelope env;
+  REQUIRE(build(0, &env)); /* a generate request, with sampling parameters */
+  size_t n = pd_wire_encoded_size(&env);
+  for (int where = 0; where < 3; where++) {
+    uint8_t *buf = malloc(n + 16);
+    REQUIRE(buf);
+    pd__envelope__pack(&env, buf);
+    size_t len = n;
+    static const uint8_t key2[] = {0x85, 0x00, 1, 2, 3, 4}, key1[] = {0x05, 1, 2, 3, 4};
+    const uint8_t *add = where == 1 ? key1 : key2;
+    size_t k = where == 1 ? sizeof key1 : sizeof key2;
+    if (where < 2) { /* at the top level, after everything */
+      memcpy(buf + len, add, k);
+      len += k;
+    } else { /* inside the generate body: its length (one byte: < 128?) grows by k */
+      size_t at = 0;
+      while (at < n && buf[at] != 0x52) at++; /* field 10, length-delimited */
+      REQUIRE(at + 3 < n && (buf[at + 1] & 0x80) && !(buf[at + 2] & 0x80));
+      size_t body = (size_t)(buf[at + 1] & 0x7f) | (size_t)buf[at + 2] << 7;
+      REQUIRE(body + k < 16384 && at + 3 + body == n);
+      body += k;
+      buf[at + 1] = (uint8_t)(0x80 | (body & 0x7f));
+      buf[at + 2] = (uint8_t)(body >> 7);
+      memcpy(buf + len, add, k); /* the body is last: append to it */
+      len += k;
+    }
+    pd_wire_msg m;
+    pd_wire_msg_init(&m);
+    pd_err e = {0};
+    pd_status st = pd_wire_decode(&m, buf, len, &l, &e);
+    CHECKF(st == PD_EFORMAT && m.env == NULL, "where %d: %d %s", where, st, e.msg);
+    pd_wire_msg_clear(&m);
+    free(buf);
+  }
+}
+
 static int32_t bad_prompt[] = {1, 2, VOCAB};
 static int32_t neg_prompt[] = {1, -5, 2};
 static int32_t dup_blocks[] = {3, 4, 3};
@@ -1010,6 +1053,7 @@ int main(void) {
   test_roundtrip();
   test_validation();
   test_nul_in_strings();
+  test_field_number_0();
   test_fuzz();
   return pd_test_finish("test_net_wire");
 }

@@ -394,6 +394,16 @@ static void test_ids_and_config(void) {
       pd_detok_free(d);
     }
   }
+  /* No ids at all: "" (a byte-level flush of nothing once did pointer arithmetic on NULL, a
+   * UBSan report found by tests/fuzz/fuzz_tokenizer.c). */
+  for (int i = 0; i < 4; i++) {
+    char *text = NULL;
+    size_t len = 1;
+    CHECK(pd_tokenizer_decode(g_fx[i].t, NULL, 0, false, &text, &len, &e) == PD_OK && text &&
+              !text[0] && len == 0,
+          "%s: decode of no ids", g_fx[i].name);
+    free(text);
+  }
 }
 
 /* ---------------------------------------------------------------- partial bytes */

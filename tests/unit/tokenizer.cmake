@@ -1,7 +1,7 @@
 # Tokenizer unit tests. The decompressed tokenizers come from the pd_tokenizer_data target of
-# tests/golden/tokenizer.cmake (included first: tests/CMakeLists.txt sorts the .cmake files).
+# tests/data/tokenizers.cmake (included first: tests/CMakeLists.txt sorts the .cmake files).
 if(NOT TARGET pd_tokenizer_data)
-  message(FATAL_ERROR "tests/unit/tokenizer.cmake needs tests/golden/tokenizer.cmake")
+  message(FATAL_ERROR "tests/unit/tokenizer.cmake needs tests/data/tokenizers.cmake")
 endif()
 
 pd_add_test(NAME test_tokenizer
