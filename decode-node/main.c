@@ -50,6 +50,9 @@ typedef struct dreq {
   bool want_lp, finished;
   pd_finish_reason fin;
   uint32_t n_generated;
+  /* a unified node's own prefill (Prefill with decode_here): its first token goes to the router
+   * as a FirstToken, the rest as TokenStream */
+  bool local, first_sent;
 } dreq;
 
 typedef struct decode {
@@ -63,7 +66,8 @@ typedef struct decode {
   int max_model_len;
   pd_metric *m_kv_check_s, *m_kv_unpack_s; /* the loop thread's time on received KV pages */
   pd_metric *m_requests, *m_kv_bytes, *m_kv_transfers, *m_kv_seconds, *m_res_refused,
-      *m_res_expired, *m_errors_kv, *m_errors_internal, *m_errors_invalid, *m_itl, *m_reserved;
+      *m_res_expired, *m_errors_kv, *m_errors_internal, *m_errors_invalid, *m_itl, *m_reserved,
+      *m_local_prefills;
 } decode;
 
 static decode g;
@@ -80,6 +84,16 @@ static dreq *find_by_sid(uint64_t sid) {
   for (int i = 0; i < g.n_reqs; i++)
     if (g.reqs[i]->sid == sid) return g.reqs[i];
   return NULL;
+}
+
+/* Room for one more request; false when out of memory. */
+static bool grow_reqs(void) {
+  int c2 = g.cap_reqs ? 2 * g.cap_reqs : 64;
+  dreq **v = realloc(g.reqs, (size_t)c2 * sizeof *v);
+  if (!v) return false;
+  g.reqs = v;
+  g.cap_reqs = c2;
+  return true;
 }
 
 static void remove_req(dreq *r) {
@@ -100,11 +114,16 @@ static void fill_load(pd_node *n, Pd__Load *l) {
   pd_sched_stats s;
   pd_sched_get_stats(n->rt.sched, &s);
   uint32_t reserved = 0, landing = 0;
-  for (int i = 0; i < g.n_reqs; i++)
+  uint64_t queued = 0; /* a unified node's prompts not prefilled yet */
+  for (int i = 0; i < g.n_reqs; i++) {
     if (g.reqs[i]->state == D_RESERVED) {
       reserved += (uint32_t)g.reqs[i]->nb;
       landing++;
     }
+    if (g.reqs[i]->local && !g.reqs[i]->first_sent)
+      queued += (uint64_t)(g.reqs[i]->n_prompt + g.reqs[i]->n_gen_base);
+  }
+  l->queued_prompt_tokens = queued;
   l->total_blocks = (uint32_t)pd_kv_pool_num_blocks(n->rt.pool);
   l->free_blocks = (uint32_t)pd_kv_pool_num_available(n->rt.pool);
   l->reserved_blocks = reserved < l->total_blocks ? reserved : l->total_blocks;
@@ -222,6 +241,16 @@ static void on_event(void *user, const pd_sched_event *ev) {
     pd_sched_abort(g.node.rt.sched, ev->id);
     return;
   }
+  if (r->local && !r->first_sent && ev->token >= 0) {
+    /* the prompt is in: its first token as a prefill node sends it */
+    Pd__TokenLogprob lp;
+    Pd__TopLogprob *top_p[PD_SAMPLE_MAX_LOGPROBS], top_s[PD_SAMPLE_MAX_LOGPROBS];
+    pd_node_send_first_token(&g.node, r->id, ev, r->n_prompt, &lp, top_p, top_s);
+    r->first_sent = true;
+    r->n_generated++;
+    if (ev->finish != PD_FINISH_NONE) remove_req(r); /* the FirstToken said so */
+    return;
+  }
   if (ev->token >= 0) {
     if (r->n_pend == r->cap_pend) {
       int cap = r->cap_pend ? 2 * r->cap_pend : 8;
@@ -325,16 +354,9 @@ static void on_reserve(const Pd__Reserve *m) {
   r->p.stop_token_ids = r->stop_ids;
   if (r->p.max_tokens < 0) r->p.max_tokens = g.max_model_len - r->n_prompt;
   free(bias);
-  if (st == PD_OK && g.n_reqs == g.cap_reqs) {
-    int c2 = g.cap_reqs ? 2 * g.cap_reqs : 64;
-    dreq **v = realloc(g.reqs, (size_t)c2 * sizeof *v);
-    if (!v) {
-      pd_sched_abort(n->rt.sched, r->sid);
-      st = pd_err_set(&e, PD_ENOMEM, "out of memory");
-    } else {
-      g.reqs = v;
-      g.cap_reqs = c2;
-    }
+  if (st == PD_OK && g.n_reqs == g.cap_reqs && !grow_reqs()) {
+    pd_sched_abort(n->rt.sched, r->sid);
+    st = pd_err_set(&e, PD_ENOMEM, "out of memory");
   }
   if (st != PD_OK) {
     if (st == PD_EFULL) {
@@ -389,10 +411,81 @@ static void on_reserve(const Pd__Reserve *m) {
          n_ctx, (unsigned long long)r->reservation_id);
 }
 
+/* A unified node's whole request: prefilled in this node's batch (chunked with the running
+ * sequences' decode steps), then decoded here; no reservation, no KV transfer. */
+static void on_local_prefill(const Pd__Prefill *m) {
+  pd_node *n = &g.node;
+  pd_err e = {0};
+  if (!n->o.unified || !m->decode_here) {
+    pd_metric_add(g.m_errors_invalid, 1);
+    pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED, m->request_id, false,
+                       "this decode node is not a unified node: it prefills nothing itself");
+    return;
+  }
+  if (find_by_id(m->request_id)) {
+    pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST, m->request_id, false,
+                       "request id is already in use on this node");
+    return;
+  }
+  size_t nbias = m->sampling ? m->sampling->n_logit_bias : 0;
+  pd_logit_bias *bias = calloc(nbias ? nbias : 1, sizeof *bias);
+  dreq *r = calloc(1, sizeof *r);
+  if (!bias || !r || (g.n_reqs == g.cap_reqs && !grow_reqs())) {
+    free(bias);
+    free(r);
+    pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INTERNAL, m->request_id, true,
+                       "out of memory");
+    return;
+  }
+  Pd__SamplingParams defaults = PD__SAMPLING_PARAMS__INIT;
+  pd_sampling_params p;
+  if (pd_wire_sampling_params(m->sampling ? m->sampling : &defaults, &p, bias, nbias ? nbias : 1,
+                              &e) != PD_OK) {
+    free(bias);
+    free(r);
+    pd_metric_add(g.m_errors_invalid, 1);
+    pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST, m->request_id, false, "%s",
+                       e.msg);
+    return;
+  }
+  p.n = 1; /* the router fans n out (sample_index) */
+  snprintf(r->id, sizeof r->id, "%s", m->request_id);
+  r->sid = ++g.next_sid;
+  r->local = true;
+  r->state = D_ACTIVE;
+  r->n_prompt = (int)m->n_prompt_token_ids;
+  r->n_gen_base = (int)m->n_generated_token_ids;
+  r->n_ctx = r->n_prompt + r->n_gen_base;
+  r->n_generated = (uint32_t)r->n_gen_base;
+  r->want_lp = p.logprobs >= 0;
+  pd_sched_req sr = {.id = r->sid, .prompt = m->prompt_token_ids, .n_prompt = r->n_prompt,
+                     .generated = m->generated_token_ids, .n_generated = r->n_gen_base,
+                     .params = &p, .sample_index = m->sample_index,
+                     .cache_salt = pd_kv_cache_salt(m->cache_salt)};
+  pd_status st = pd_sched_add_req(n->rt.sched, &sr, &e);
+  free(bias);
+  if (st != PD_OK) {
+    pd_metric_add(g.m_errors_invalid, 1);
+    pd_node_send_error(n,
+                       st == PD_ERANGE ? PD__ERROR_CODE__ERROR_CODE_CONTEXT_TOO_LONG
+                                       : PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST,
+                       m->request_id, false, "%s", e.msg);
+    free(r);
+    return;
+  }
+  g.reqs[g.n_reqs++] = r;
+  pd_metric_add(g.m_requests, 1);
+  pd_metric_add(g.m_local_prefills, 1);
+  pd_log(PD_LOG_DEBUG, "%s: local prefill of %d + %d tokens", r->id, r->n_prompt, r->n_gen_base);
+}
+
 static void on_router_msg(pd_node *n, const Pd__Envelope *env) {
   switch (env->body_case) {
     case PD__ENVELOPE__BODY_RESERVE:
       on_reserve(env->reserve);
+      break;
+    case PD__ENVELOPE__BODY_PREFILL:
+      on_local_prefill(env->prefill);
       break;
     case PD__ENVELOPE__BODY_ABORT: {
       dreq *r = find_by_id(env->abort->request_id);
@@ -689,6 +782,8 @@ int main(int argc, char **argv) {
                                         "From a request's first KV chunk to its KvTransferDone.",
                                         NULL, pd_metrics_fine_buckets,
                                         pd_metrics_fine_buckets_n);
+  g.m_local_prefills = pd_metrics_counter(m, "pd_node_local_prefills_total",
+                                          "Requests this unified node prefilled itself.", NULL);
   g.m_reserved = pd_metrics_gauge(m, "pd_node_kv_blocks_reserved",
                                   "KV blocks held by reservations whose pages have not landed.",
                                   NULL);

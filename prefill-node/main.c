@@ -383,52 +383,9 @@ static void on_event(void *user, const pd_sched_event *ev) {
   }
   if (ev->token < 0) return;
   pd_node *n = &g.node;
-  Pd__FirstToken ft;
-  pd__first_token__init(&ft);
-  ft.request_id = r->id;
-  ft.token_id = ev->token;
   Pd__TokenLogprob lp;
   Pd__TopLogprob *top_p[PD_SAMPLE_MAX_LOGPROBS], top_s[PD_SAMPLE_MAX_LOGPROBS];
-  if (ev->logprobs) {
-    pd_node_logprob(ev->logprobs, &lp, top_p, top_s);
-    ft.logprob = &lp;
-  }
-  ft.finish_reason = ev->finish == PD_FINISH_STOP     ? PD__FINISH_REASON__FINISH_REASON_STOP
-                     : ev->finish == PD_FINISH_LENGTH ? PD__FINISH_REASON__FINISH_REASON_LENGTH
-                                                      : PD__FINISH_REASON__FINISH_REASON_NONE;
-  ft.prompt_tokens = (uint32_t)r->n_prompt;
-  ft.cached_tokens = (uint32_t)(ev->num_cached_tokens < r->n_prompt ? ev->num_cached_tokens
-                                                                     : r->n_prompt);
-  if (ft.cached_tokens > ft.prompt_tokens) ft.cached_tokens = ft.prompt_tokens;
-  /* prompt logprobs of positions 1..n_prompt-1 (the first one has none) */
-  Pd__TokenLogprob *plp = NULL, **plp_p = NULL;
-  Pd__TopLogprob *ptop = NULL, **ptop_p = NULL;
-  int npl = 0;
-  if (ev->prompt_logprobs && ev->n_prompt_logprobs > 0) {
-    npl = ev->n_prompt_logprobs < r->n_prompt ? ev->n_prompt_logprobs : r->n_prompt - 1;
-    plp = calloc((size_t)npl, sizeof *plp);
-    plp_p = calloc((size_t)npl, sizeof *plp_p);
-    ptop = calloc((size_t)npl * PD_SAMPLE_MAX_LOGPROBS, sizeof *ptop);
-    ptop_p = calloc((size_t)npl * PD_SAMPLE_MAX_LOGPROBS, sizeof *ptop_p);
-    if (plp && plp_p && ptop && ptop_p) {
-      for (int i = 0; i < npl; i++) {
-        pd_node_logprob(&ev->prompt_logprobs[i], &plp[i], ptop_p + i * PD_SAMPLE_MAX_LOGPROBS,
-                        ptop + i * PD_SAMPLE_MAX_LOGPROBS);
-        plp_p[i] = &plp[i];
-      }
-      ft.n_prompt_logprobs = (size_t)npl;
-      ft.prompt_logprobs = plp_p;
-    }
-  }
-  Pd__Envelope env;
-  pd_wire_envelope_init(&env);
-  env.body_case = PD__ENVELOPE__BODY_FIRST_TOKEN;
-  env.first_token = &ft;
-  pd_node_send(n, &env);
-  free(plp);
-  free(plp_p);
-  free(ptop);
-  free(ptop_p);
+  pd_node_send_first_token(n, r->id, ev, r->n_prompt, &lp, top_p, top_s);
   pd_metric_observe(g.m_ttft, (double)(pd_now_ms() - r->t_start) / 1000.0);
 
   if (ev->finish == PD_FINISH_NONE) {

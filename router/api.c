@@ -317,7 +317,8 @@ int api_req_admit(router *r, rreq *q, char *msg, size_t cap) {
     snprintf(msg, cap, "too many requests are waiting (%d); retry later", route_queue_length(r));
     return 429;
   }
-  int n_prefill = registry_count(r, PD__ROLE__ROLE_PREFILL, false);
+  /* unified nodes prefill too */
+  int n_prefill = registry_count(r, PD__ROLE__ROLE_PREFILL, false) + registry_count_unified(r);
   if (n_prefill == 0 ||
       (q->op.p.max_tokens > 1 && registry_count(r, PD__ROLE__ROLE_DECODE, false) == 0)) {
     snprintf(msg, cap, "no %s node is available", n_prefill == 0 ? "prefill" : "decode");
@@ -1211,11 +1212,13 @@ static void handle_model(router *r, pd_http_req *req, const char *enc, size_t le
 static void handle_health(router *r, pd_http_req *req) {
   int p = registry_count(r, PD__ROLE__ROLE_PREFILL, true);
   int d = registry_count(r, PD__ROLE__ROLE_DECODE, true);
-  bool ok = p > 0 && d > 0;
+  int u = registry_count_unified(r);
+  bool ok = (p > 0 || u > 0) && d > 0;
   cJSON *o = cJSON_CreateObject();
   cJSON_AddStringToObject(o, "status", ok ? "ok" : "unavailable");
   cJSON_AddNumberToObject(o, "prefill_nodes", p);
   cJSON_AddNumberToObject(o, "decode_nodes", d);
+  cJSON_AddNumberToObject(o, "unified_nodes", u);
   respond_json(req, ok ? 200 : 503, o, NULL);
   cJSON_Delete(o);
 }
@@ -1289,6 +1292,11 @@ void api_http_handler(pd_http_req *req, const pd_http_request *msg, void *ud) {
     cJSON_AddItemToObject(o, "nodes", registry_json(r));
     cJSON_AddNumberToObject(o, "queue_length", route_queue_length(r));
     cJSON_AddNumberToObject(o, "running", route_active_subs(r));
+    cJSON *pf = cJSON_AddObjectToObject(o, "prefills"); /* where prompts were prefilled */
+    if (pf) {
+      cJSON_AddNumberToObject(pf, "local", pd_metric_value(r->m.prefill_local));
+      cJSON_AddNumberToObject(pf, "remote", pd_metric_value(r->m.prefill_remote));
+    }
     respond_json(req, 200, o, NULL);
     cJSON_Delete(o);
   } else if (!strcmp(p, "/v1/completions")) {

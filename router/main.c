@@ -224,6 +224,8 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
   o->busy_timeout_ms = 2000;
   o->request_timeout_s = 600;
   o->kv_ttl_ms = 30000;
+  o->remote_prefill_min_tokens = 1024;
+  o->remote_prefill_max_queue = 16384;
   o->heartbeat_interval_ms = 500;
   o->heartbeat_timeout_ms = 2500;
   pd_opt opts[] = {
@@ -268,6 +270,13 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
        "whole-request deadline in seconds (600)", NULL},
       {"kv-ttl-ms", PD_OPT_INT, &o->kv_ttl_ms, "MS",
        "lifetime of a decode reservation whose KV has not arrived (30000)", NULL},
+      {"remote-prefill-min-tokens", PD_OPT_INT, &o->remote_prefill_min_tokens, "N",
+       "with unified nodes: prompts with fewer tokens to compute (after the expected prefix-cache "
+       "hit) are prefilled by the unified node that decodes them (1024; 0 = always remote while "
+       "a prefill node has room)", NULL},
+      {"remote-prefill-max-queue", PD_OPT_INT, &o->remote_prefill_max_queue, "N",
+       "with unified nodes: prefill locally when every prefill node has more prompt tokens "
+       "queued than this (16384)", NULL},
       {"heartbeat-interval-ms", PD_OPT_INT, &o->heartbeat_interval_ms, "MS",
        "heartbeat period asked of nodes (500)", NULL},
       {"heartbeat-timeout-ms", PD_OPT_INT, &o->heartbeat_timeout_ms, "MS",
@@ -308,7 +317,8 @@ static int parse_opts(router_opts *o, int argc, char **argv) {
            o->max_prompt_mb < 1 || o->tokenizer_threads < 1 || o->tokenizer_threads > 64 ||
            o->max_connections_per_ip < 0 || o->busy_timeout_ms < 0 ||
            o->request_timeout_s < 1 || o->kv_ttl_ms < 100 || o->heartbeat_interval_ms < 10 ||
-           o->heartbeat_timeout_ms < 2 * o->heartbeat_interval_ms || o->max_model_len < 0)
+           o->heartbeat_timeout_ms < 2 * o->heartbeat_interval_ms || o->max_model_len < 0 ||
+           o->remote_prefill_min_tokens < 0 || o->remote_prefill_max_queue < 0)
     bad = "a limit is out of range (see --help; --heartbeat-timeout-ms must be at least twice "
           "the interval, --max-n at most 128, --tokenizer-threads 1 to 64)";
   if (bad) {

@@ -62,6 +62,12 @@ void rmetrics_init(router *r) {
                                        NULL);
   r->m.retries = pd_metrics_counter(m, "pd_router_retries_total",
                                     "Choices retried before their first token.", NULL);
+  r->m.prefill_local = pd_metrics_counter(m, "pd_router_prefills_total",
+                                          "Prompts sent to be prefilled, by where.",
+                                          "path=\"local\"");
+  r->m.prefill_remote = pd_metrics_counter(m, "pd_router_prefills_total",
+                                           "Prompts sent to be prefilled, by where.",
+                                           "path=\"remote\"");
   r->m.nodes_prefill = pd_metrics_gauge(m, "pd_router_nodes", "Usable nodes by role.",
                                         "role=\"prefill\"");
   r->m.nodes_decode = pd_metrics_gauge(m, "pd_router_nodes", "Usable nodes by role.",

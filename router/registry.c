@@ -222,7 +222,7 @@ static void on_register(router *r, const pd_net_msg *m, const Pd__Register *g) {
       r->nodes = v;
       r->cap_nodes = cap;
     }
-    if (g->role == PD__ROLE__ROLE_PREFILL) {
+    if (g->role == PD__ROLE__ROLE_PREFILL || g->unified) { /* the nodes that prefill */
       n->affinity = calloc(AFFINITY_SLOTS, sizeof *n->affinity);
       if (!n->affinity) {
         free(n);
@@ -238,6 +238,7 @@ static void on_register(router *r, const pd_net_msg *m, const Pd__Register *g) {
   n->has_key = r->auth && m->has_peer_key;
   if (n->has_key) memcpy(n->key, m->peer_key, PD_CURVE_KEY_BYTES);
   n->role = g->role;
+  n->unified = g->unified;
   n->incarnation = g->incarnation;
   n->fingerprint = g->model_fingerprint;
   snprintf(n->kv_endpoint, sizeof n->kv_endpoint, "%s", g->kv_endpoint ? g->kv_endpoint : "");
@@ -403,6 +404,58 @@ static int prompt_hashes(const rnode *p, const int32_t *ids, int n, uint64_t sal
   return k;
 }
 
+/* Leading prompt blocks node p has likely cached (the prompts the router sent it to prefill). */
+static int expected_hit_blocks(const rnode *p, const int32_t *ids, int n, uint64_t cache_salt) {
+  if (!p->affinity) return 0;
+  uint64_t hs[64];
+  int nh = prompt_hashes(p, ids, n, cache_salt, hs, 64), hit = 0;
+  while (hit < nh && p->affinity[hs[hit] % AFFINITY_SLOTS] == hs[hit]) hit++;
+  return hit;
+}
+
+rnode *registry_choose_unified(router *r, int n_ctx, const int32_t *ids, int n,
+                               uint64_t cache_salt, int *hit_tokens) {
+  rnode *best = NULL;
+  int best_hit = -1;
+  for (int i = 0; i < r->n_nodes; i++) {
+    rnode *u = r->nodes[i];
+    if (u->role != PD__ROLE__ROLE_DECODE || !u->unified || !usable(r, u)) continue;
+    const int bs = u->block_size > 0 ? (int)u->block_size : 16;
+    if (u->est_free_blocks < (n_ctx + bs - 1) / bs) continue;
+    const int hit = expected_hit_blocks(u, ids, n, cache_salt) * (int)u->block_size;
+    /* the most cached prompt, then the most free blocks, then the fewest sequences */
+    if (!best || hit > best_hit ||
+        (hit == best_hit && (u->est_free_blocks > best->est_free_blocks ||
+                             (u->est_free_blocks == best->est_free_blocks &&
+                              u->running + (uint32_t)u->n_subs <
+                                  best->running + (uint32_t)best->n_subs)))) {
+      best = u;
+      best_hit = hit;
+    }
+  }
+  if (hit_tokens) *hit_tokens = best_hit < 0 ? 0 : best_hit;
+  return best;
+}
+
+int registry_count_unified(router *r) {
+  int c = 0;
+  for (int i = 0; i < r->n_nodes; i++)
+    if (r->nodes[i]->role == PD__ROLE__ROLE_DECODE && r->nodes[i]->unified &&
+        usable(r, r->nodes[i]))
+      c++;
+  return c;
+}
+
+int64_t registry_min_prefill_queue(router *r) {
+  int64_t m = -1;
+  for (int i = 0; i < r->n_nodes; i++) {
+    rnode *p = r->nodes[i];
+    if (p->role != PD__ROLE__ROLE_PREFILL || !usable(r, p)) continue;
+    if (m < 0 || p->est_queued_tokens < m) m = p->est_queued_tokens;
+  }
+  return m;
+}
+
 rnode *registry_choose_prefill(router *r, const rnode *dest, const int32_t *ids, int n,
                                uint64_t cache_salt) {
   rnode *best = NULL;
@@ -426,6 +479,7 @@ rnode *registry_choose_prefill(router *r, const rnode *dest, const int32_t *ids,
 
 void registry_note_prefill(router *r, rnode *p, const int32_t *ids, int n, uint64_t cache_salt) {
   (void)r;
+  if (!p->affinity) return;
   uint64_t hs[64];
   int nh = prompt_hashes(p, ids, n, cache_salt, hs, 64);
   for (int i = 0; i < nh; i++) p->affinity[hs[i] % AFFINITY_SLOTS] = hs[i];
@@ -449,7 +503,9 @@ cJSON *registry_json(router *r) {
     if (n->dead) continue;
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "node_id", n->id);
-    cJSON_AddStringToObject(o, "role", n->role == PD__ROLE__ROLE_DECODE ? "decode" : "prefill");
+    cJSON_AddStringToObject(o, "role", n->role == PD__ROLE__ROLE_PREFILL ? "prefill"
+                                       : n->unified                     ? "unified"
+                                                                        : "decode");
     pd_live_state s = pd_liveness_state(r->live, n->id, now);
     cJSON_AddStringToObject(o, "state", s == PD_LIVE_ALIVE     ? "alive"
                                         : s == PD_LIVE_SUSPECT ? "suspect"

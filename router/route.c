@@ -3,6 +3,8 @@
  *   QUEUED --Reserve--> RESERVING --ReserveReply ok, Prefill(dest)--> PREFILLING
  *          --FirstToken--> DECODING --TokenStream ... finish--> DONE
  *   QUEUED --Prefill(no dest)--> PREFILLING --FirstToken--> DONE        (one token to make)
+ *   QUEUED --Prefill(decode_here) to a unified node--> PREFILLING --FirstToken--> DECODING ...
+ *                                                     (local prefill: the node decodes it too)
  *
  * Every attempt has its own wire id "<request>.<choice>.<attempt>", where <request> is 128
  * random bits in hex (nobody can guess another request's id), so a late message of an
@@ -268,7 +270,53 @@ static bool send_prefill(router *r, rsub *s, rnode *p, rnode *d) {
   s->prefill = p;
   p->n_subs++;
   s->state = SUB_PREFILLING;
+  pd_metric_add(r->m.prefill_remote, 1);
   return true;
+}
+
+/* Local prefill: the whole choice to unified node u, which prefills it in its own batch and
+ * decodes it (no reservation, no KV transfer). */
+static bool send_local(router *r, rsub *s, rnode *u) {
+  const prompt *pr = sub_prompt(s);
+  Pd__Prefill pf;
+  pd__prefill__init(&pf);
+  pf.request_id = s->wire_id;
+  pf.n_prompt_token_ids = (size_t)pr->n;
+  pf.prompt_token_ids = pr->ids;
+  pf.n_generated_token_ids = (size_t)s->n_gen;
+  pf.generated_token_ids = s->gen;
+  fill_sampling_ids(&pf.sampling, s);
+  pf.sample_index = s->sample_index;
+  pf.cache_salt = s->req->cache_salt_str;
+  pf.decode_here = true;
+  Pd__Envelope env;
+  pd_wire_envelope_init(&env);
+  env.body_case = PD__ENVELOPE__BODY_PREFILL;
+  env.prefill = &pf;
+  if (router_send_node(r, u, &env) != PD_OK) {
+    u->est_free_blocks = 0; /* unreachable for now: the next heartbeat restores it */
+    return false;
+  }
+  registry_note_prefill(r, u, pr->ids, pr->n, s->req->cache_salt);
+  const int n_ctx = pr->n + s->n_gen, bs = u->block_size > 0 ? (int)u->block_size : 16;
+  u->est_free_blocks -= (n_ctx + bs - 1) / bs;
+  s->prefill = u;
+  s->decode = u;
+  u->n_subs += 2;
+  s->state = SUB_PREFILLING;
+  pd_metric_add(r->m.prefill_local, 1);
+  return true;
+}
+
+/* Conditional disaggregation: whether a choice with n_ctx tokens of context, hit of them
+ * expected in the chosen unified node's cache, is prefilled there rather than on a prefill
+ * node: when no prefill node is up, when what is left to compute is short (a transfer would
+ * cost more than it saves), or when every prefill node is backed up. */
+static bool prefill_locally(router *r, int n_ctx, int hit) {
+  const int64_t q = registry_min_prefill_queue(r);
+  if (q < 0) return true;
+  if (n_ctx - hit < r->o.remote_prefill_min_tokens) return true;
+  return q > r->o.remote_prefill_max_queue;
 }
 
 /* 1: dispatched, 0: no capacity now, -1: the choice ended (no node at all). */
@@ -276,7 +324,8 @@ static int dispatch_one(router *r, rsub *s) {
   const prompt *p = sub_prompt(s);
   int64_t now = pd_now_ms();
   bool need_d = needs_decode(s);
-  bool have_p = registry_count(r, PD__ROLE__ROLE_PREFILL, true) > 0;
+  const int n_unified = registry_count_unified(r);
+  bool have_p = registry_count(r, PD__ROLE__ROLE_PREFILL, true) > 0 || n_unified > 0;
   bool have_d = !need_d || registry_count(r, PD__ROLE__ROLE_DECODE, true) > 0;
   if (!have_p || !have_d) {
     const char *missing = !have_p ? "prefill" : "decode";
@@ -291,6 +340,20 @@ static int dispatch_one(router *r, rsub *s) {
       return -1;
     }
     return 0;
+  }
+  if (n_unified > 0) {
+    int hit = 0;
+    rnode *u = registry_choose_unified(r, p->n + s->n_gen, p->ids, p->n, s->req->cache_salt,
+                                       &hit);
+    if (u && prefill_locally(r, p->n + s->n_gen, hit)) {
+      q_remove(r, s);
+      if (!send_local(r, s, u)) {
+        q_push(r, s, true);
+        return 0;
+      }
+      return 1;
+    }
+    if (registry_count(r, PD__ROLE__ROLE_PREFILL, true) == 0) return 0; /* wait for room */
   }
   if (!need_d) {
     rnode *pn = registry_choose_prefill(r, NULL, p->ids, p->n, s->req->cache_salt);

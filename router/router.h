@@ -55,6 +55,10 @@ typedef struct router_opts {
   int max_queue, max_n, default_max_tokens, max_body_mb, max_connections, max_model_len;
   int max_connections_per_ip, busy_timeout_ms, max_prompt_mb, tokenizer_threads;
   int request_timeout_s, kv_ttl_ms, heartbeat_interval_ms, heartbeat_timeout_ms;
+  /* conditional disaggregation (route.c): a unified node prefills a request itself unless it
+   * has at least remote_prefill_min_tokens to compute (after the prefix the router expects in
+   * that node's cache) and a prefill node has at most remote_prefill_max_queue tokens queued */
+  int remote_prefill_min_tokens, remote_prefill_max_queue;
   bool verbose, help;
 } router_opts;
 
@@ -71,6 +75,7 @@ struct rnode {
   uint8_t key[PD_CURVE_KEY_BYTES];
   bool has_key;
   Pd__Role role;
+  bool unified; /* decode: also prefills (Prefill with decode_here) */
   uint64_t incarnation, fingerprint;
   char kv_endpoint[256];
   uint8_t kv_key[PD_CURVE_KEY_BYTES];
@@ -110,6 +115,14 @@ rnode *registry_choose_prefill(router *r, const rnode *dest, const int32_t *ids,
                                uint64_t cache_salt);
 /* Records that a prompt was sent to prefill node p (affinity, queued tokens). */
 void registry_note_prefill(router *r, rnode *p, const int32_t *ids, int n, uint64_t cache_salt);
+/* The usable unified node with room for n_ctx tokens that has the most of the prompt cached
+ * (then the most free blocks); *hit_tokens: the prompt tokens it is expected to have. NULL:
+ * none. */
+rnode *registry_choose_unified(router *r, int n_ctx, const int32_t *ids, int n,
+                               uint64_t cache_salt, int *hit_tokens);
+int registry_count_unified(router *r);
+/* The fewest prompt tokens queued on a usable prefill node, -1 when there is none. */
+int64_t registry_min_prefill_queue(router *r);
 /* Effective context length: the router's, capped by every registered node's. */
 int registry_max_model_len(router *r);
 /* Sends env to node n on the cluster port. PD_ENOTFOUND (not connected), PD_EFULL. */
@@ -379,7 +392,7 @@ void zapi_forget(router *r, rreq *q); /* drops q from the client-id map */
 typedef struct router_metrics {
   pd_metrics *reg;
   pd_metric *ttft, *itl, *e2e, *queue_len, *running, *gen_tokens, *prompt_tokens, *migrations,
-      *retries, *nodes_prefill, *nodes_decode, *http_conns, *cached_tokens, *live, *preparing,
+      *retries, *prefill_local, *prefill_remote, *nodes_prefill, *nodes_decode, *http_conns, *cached_tokens, *live, *preparing,
       *http_evicted, *http_refused;
 } router_metrics;
 

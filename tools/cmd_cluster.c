@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include "cluster.h"
+#include "pd/backend_cuda.h"
 #include "pd/net.h"
 #include "pdctl.h"
 
@@ -372,6 +373,19 @@ static void device_pick(const char *list, int k, char *out, size_t cap) {
 
 static bool device_is_gpu(const char *d) { return strncmp(d, "cuda", 4) == 0; }
 
+/* CUDA devices, counted in a child process: a CUDA context in the supervisor would hold device
+ * memory for as long as the cluster runs. */
+static int gpu_count(void) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    int n = pd_cuda_device_count();
+    _exit(n < 0 ? 0 : n > 100 ? 100 : n);
+  }
+  int st = 0;
+  if (pid < 0 || waitpid(pid, &st, 0) != pid || !WIFEXITED(st)) return 0;
+  return WEXITSTATUS(st);
+}
+
 /* Every entry of a device list is cpu, cuda or cuda:N. */
 static bool device_list_ok(const char *list) {
   if (!*list) return false;
@@ -408,7 +422,7 @@ static int cluster_up(int argc, char **argv) {
              *router_args = NULL, *prefill_args = NULL, *decode_args = NULL, *api_key = NULL,
              *name = NULL, *device = NULL, *prefill_device = NULL, *decode_device = NULL,
              *kv_dtype = NULL, *api_key_file = NULL, *secrets_dir = NULL;
-  int n_prefill = 1, n_decode = 1, port = 8000, restart_limit = 5;
+  int n_prefill = -1, n_decode = -1, n_unified = -1, port = 8000, restart_limit = 5;
   double gpu_util = 0, restart_window = 60;
   double timeout_s = 180;
   bool help = false, keep = false, quiet = false, insecure = false;
@@ -416,8 +430,13 @@ static int cluster_up(int argc, char **argv) {
       {"model", PD_OPT_STR, &model, "DIR", "model folder (every process)", NULL},
       {"draft-model", PD_OPT_STR, &draft, "DIR",
        "draft model for speculative decoding (prefill and decode nodes)", NULL},
-      {"prefill", PD_OPT_INT, &n_prefill, "P", "prefill nodes (default 1)", NULL},
+      {"prefill", PD_OPT_INT, &n_prefill, "P",
+       "prefill nodes (default 1; 0 with --decode D: D unified nodes)", NULL},
       {"decode", PD_OPT_INT, &n_decode, "D", "decode nodes (default 1)", NULL},
+      {"unified", PD_OPT_INT, &n_unified, "U",
+       "unified nodes: decode nodes that also prefill (pd-decode --unified); the router sends "
+       "them short prompts, or all when there is no prefill node. Default: none, but one alone "
+       "with --device cuda on a machine with one GPU", NULL},
       {"port", PD_OPT_INT, &port, "PORT", "router HTTP port (default 8000; 0 = a free one)",
        NULL},
       {"host", PD_OPT_STR, &host, "HOST", "router HTTP bind address (default 127.0.0.1)", NULL},
@@ -478,8 +497,29 @@ static int cluster_up(int argc, char **argv) {
   }
   if (!model) return pdctl_fail("cluster up needs --model DIR");
   if (!run_dir) return pdctl_fail("cluster up needs --run-dir DIR");
-  if (n_prefill < 1 || n_prefill > 32 || n_decode < 1 || n_decode > 32)
-    return pdctl_fail("--prefill and --decode must be in 1..32");
+  /* the layout: one GPU and no layout asked for gets one unified node (the whole GPU for one
+   * process: no KV copies, no split memory); otherwise one prefill and one decode node */
+  const bool layout_given = n_prefill >= 0 || n_decode >= 0 || n_unified >= 0;
+  if (!layout_given && device && device_is_gpu(device) && !prefill_device && !decode_device &&
+      !strchr(device, ',') && gpu_count() == 1) {
+    n_prefill = n_decode = 0;
+    n_unified = 1;
+    if (!quiet)
+      fprintf(stderr, "pdctl: one GPU: one unified node (--prefill 1 --decode 1 for the "
+                      "disaggregated layout on it)\n");
+  }
+  if (n_unified < 0) n_unified = 0;
+  if (n_prefill < 0) n_prefill = n_unified > 0 ? 0 : 1;
+  if (n_decode < 0) n_decode = n_unified > 0 ? 0 : 1;
+  if (n_prefill == 0 && n_unified == 0) { /* --prefill 0 --decode D: the decode nodes prefill */
+    n_unified = n_decode;
+    n_decode = 0;
+  }
+  if (n_prefill < 0 || n_prefill > 32 || n_decode < 0 || n_decode > 32 || n_unified < 0 ||
+      n_unified > 32 || n_decode + n_unified < 1 || n_prefill + n_decode + n_unified > 32)
+    return pdctl_fail("--prefill, --decode and --unified must be in 0..32, with at least one "
+                      "decode or unified node and 32 nodes at most");
+  n_decode += n_unified; /* unified nodes are decode nodes that also prefill: the last ones */
   if (port < 0 || port > 65535) return pdctl_fail("--port must be in 0..65535");
   if (!(timeout_s > 0)) return pdctl_fail("--timeout must be positive");
   if (restart_limit < 0 || restart_limit > MAX_RESTART_LIMIT)
@@ -678,6 +718,7 @@ static int cluster_up(int argc, char **argv) {
     if (!pre) {
       cl_proc_arg(p, "--kv-port");
       cl_proc_arg(p, "0");
+      if (idx >= n_decode - n_unified) cl_proc_arg(p, "--unified");
     }
     cl_proc_arg(p, "--ready-file");
     cl_proc_argf(p, "%s/%s.ready", c.run_dir, p->name);
@@ -696,8 +737,8 @@ static int cluster_up(int argc, char **argv) {
     if (cl_spawn(&c, p, false) != 0) return fail_up(&c, false);
   }
   if (!quiet)
-    fprintf(stderr, "pdctl: started %d prefill and %d decode nodes; waiting for them to register\n",
-            n_prefill, n_decode);
+    fprintf(stderr, "pdctl: started %d prefill, %d decode and %d unified nodes; waiting for them "
+                    "to register\n", n_prefill, n_decode - n_unified, n_unified);
 
   /* wait: every node's ready file, then the router counting them all */
   char last[256] = "";
@@ -761,9 +802,10 @@ static int cluster_up(int argc, char **argv) {
     return fail_up(&c, false);
   }
   if (!quiet) {
-    printf("cluster up in %.1f s: router http://%s:%d (client API %s), %d prefill, %d decode\n",
-           pdctl_now() - t0, strcmp(host, "0.0.0.0") ? host : "127.0.0.1", c.http_port,
-           c.client_ep[0] ? c.client_ep : "off", n_prefill, n_decode);
+    printf("cluster up in %.1f s: router http://%s:%d (client API %s), %d prefill, %d decode, "
+           "%d unified\n", pdctl_now() - t0, strcmp(host, "0.0.0.0") ? host : "127.0.0.1",
+           c.http_port, c.client_ep[0] ? c.client_ep : "off", n_prefill, n_decode - n_unified,
+           n_unified);
     for (int i = 0; i < c.n; i++)
       printf("  %-11s pid %-7d log %s/%s.log\n", c.procs[i].name, (int)c.procs[i].pid,
              c.run_dir, c.procs[i].name);

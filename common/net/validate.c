@@ -391,6 +391,8 @@ pd_status pd_wire_validate_register(const Pd__Register *m, const pd_wire_limits 
   if ((st = v_endpoint("register.kv_endpoint", m->kv_endpoint, l->max_name_bytes, decode, e)))
     return st;
   if ((st = v_curve_key("register.kv_curve_public_key", m->kv_curve_public_key, e))) return st;
+  if (m->unified && !decode)
+    return pd_err_set(e, PD_EINVAL, "register.unified is for decode nodes");
   if ((st = v_geometry("register.kv", m->kv, e))) return st;
   if (m->draft_kv) {
     if ((st = v_geometry("register.draft_kv", m->draft_kv, e))) return st;
@@ -550,6 +552,8 @@ pd_status pd_wire_validate_prefill(const Pd__Prefill *m, const pd_wire_limits *l
     return pd_err_set(e, PD_ERANGE, "prefill.sample_index %u out of range", m->sample_index);
   if ((st = v_str("prefill.cache_salt", m->cache_salt, l->max_name_bytes, false, NULL, e)))
     return st;
+  if (m->decode_here && m->dest)
+    return pd_err_set(e, PD_EINVAL, "prefill: decode_here with a KV destination");
   return m->dest ? v_destination(m->dest, n_tokens, l, e) : PD_OK;
 }
 

@@ -79,6 +79,10 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
        "send KV pages to a decode node (logs a warning)", NULL},
       {"ready-file", PD_OPT_STR, &o->ready_file, "PATH",
        "write a JSON status file once registered", NULL},
+      {"unified", PD_OPT_BOOL, &o->unified, NULL,
+       "decode: also prefill the prompts it decodes, in its own batch (a unified node: the "
+       "router sends it whole requests when local prefill pays, see --remote-prefill-min-tokens)",
+       NULL},
       {"fail-device-after", PD_OPT_INT, &o->fail_device_after, "N",
        "testing: make the device fail after N steps (a trapping kernel on a GPU), to exercise "
        "what follows: the node leaves the cluster and exits with status 3 (0 = never)",
@@ -125,6 +129,10 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
   }
   if (!(o->kv_budget_ms == -1.0 || (o->kv_budget_ms >= 0.0 && o->kv_budget_ms <= 10000.0))) {
     fprintf(stderr, "%s: --kv-budget-ms must be in [0, 10000]\n", prog);
+    return 1;
+  }
+  if (o->unified && !decode) {
+    fprintf(stderr, "%s: --unified is a decode node's flag\n", prog);
     return 1;
   }
   if (o->kv_crc_threads < 0 || o->kv_crc_threads > 64) {
@@ -273,6 +281,7 @@ static void send_register(pd_node *n) {
   r.max_model_len = (uint32_t)pd_engine_get_opts(n->rt.eng)->max_model_len;
   r.tp_size = 1;
   r.max_batch_tokens = (uint32_t)pd_engine_get_opts(n->rt.eng)->max_batch_tokens;
+  r.unified = n->o.unified;
   Pd__Load load;
   pd__load__init(&load);
   if (n->hooks.fill_load) n->hooks.fill_load(n, &load);
@@ -743,4 +752,53 @@ void pd_node_close(pd_node *n) {
   n->layers = NULL;
   pd_metrics_free(n->metrics);
   n->metrics = NULL;
+}
+
+void pd_node_send_first_token(pd_node *n, const char *id, const pd_sched_event *ev, int n_prompt,
+                              Pd__TokenLogprob *lp, Pd__TopLogprob **top_p,
+                              Pd__TopLogprob *top_s) {
+  Pd__FirstToken ft;
+  pd__first_token__init(&ft);
+  ft.request_id = (char *)id;
+  ft.token_id = ev->token;
+  if (ev->logprobs) {
+    pd_node_logprob(ev->logprobs, lp, top_p, top_s);
+    ft.logprob = lp;
+  }
+  ft.finish_reason = ev->finish == PD_FINISH_STOP     ? PD__FINISH_REASON__FINISH_REASON_STOP
+                     : ev->finish == PD_FINISH_LENGTH ? PD__FINISH_REASON__FINISH_REASON_LENGTH
+                                                      : PD__FINISH_REASON__FINISH_REASON_NONE;
+  ft.prompt_tokens = (uint32_t)n_prompt;
+  ft.cached_tokens = (uint32_t)(ev->num_cached_tokens < n_prompt ? ev->num_cached_tokens
+                                                                     : n_prompt);
+  if (ft.cached_tokens > ft.prompt_tokens) ft.cached_tokens = ft.prompt_tokens;
+  /* prompt logprobs of positions 1..n_prompt-1 (the first one has none) */
+  Pd__TokenLogprob *plp = NULL, **plp_p = NULL;
+  Pd__TopLogprob *ptop = NULL, **ptop_p = NULL;
+  int npl = 0;
+  if (ev->prompt_logprobs && ev->n_prompt_logprobs > 0) {
+    npl = ev->n_prompt_logprobs < n_prompt ? ev->n_prompt_logprobs : n_prompt - 1;
+    plp = calloc((size_t)npl, sizeof *plp);
+    plp_p = calloc((size_t)npl, sizeof *plp_p);
+    ptop = calloc((size_t)npl * PD_SAMPLE_MAX_LOGPROBS, sizeof *ptop);
+    ptop_p = calloc((size_t)npl * PD_SAMPLE_MAX_LOGPROBS, sizeof *ptop_p);
+    if (plp && plp_p && ptop && ptop_p) {
+      for (int i = 0; i < npl; i++) {
+        pd_node_logprob(&ev->prompt_logprobs[i], &plp[i], ptop_p + i * PD_SAMPLE_MAX_LOGPROBS,
+                        ptop + i * PD_SAMPLE_MAX_LOGPROBS);
+        plp_p[i] = &plp[i];
+      }
+      ft.n_prompt_logprobs = (size_t)npl;
+      ft.prompt_logprobs = plp_p;
+    }
+  }
+  Pd__Envelope env;
+  pd_wire_envelope_init(&env);
+  env.body_case = PD__ENVELOPE__BODY_FIRST_TOKEN;
+  env.first_token = &ft;
+  pd_node_send(n, &env);
+  free(plp);
+  free(plp_p);
+  free(ptop);
+  free(ptop_p);
 }

@@ -96,6 +96,7 @@ typedef struct pd_node_opts {
                           one step, 2-20 ms; 0: everything queued) */
   const char *curve_secret_file, *curve_secret_key, *router_public_key, *curve_allow_file;
   bool insecure;         /* run without the cluster's keys (logs a warning) */
+  bool unified;          /* decode: also prefill the prompts it decodes (a unified node) */
   int fail_device_after; /* testing: inject a device fault after this many steps (0 = never) */
   bool verbose, help;
   pd_runtime_opts rt;
@@ -225,6 +226,14 @@ void pd_node_update_metrics(pd_node *n);
 void pd_node_geometry(const pd_node *n, Pd__KvGeometry *g);
 /* Converts pd_logprobs into a TokenLogprob whose `top` array is top_buf (holding n_top
  * entries of top_store). */
+/* FirstToken for the router from the scheduler event of a sequence's first token of this
+ * attempt (n_prompt: its prompt tokens): the token, its logprob when asked (written into lp, with
+ * top_p / top_s [PD_SAMPLE_MAX_LOGPROBS] as room for the alternatives), the finish reason, the
+ * prompt and cached token counts and the prompt logprobs. A prefill node's answer, and a unified
+ * node's for the prompts it prefills itself. */
+void pd_node_send_first_token(pd_node *n, const char *id, const pd_sched_event *ev, int n_prompt,
+                              Pd__TokenLogprob *lp, Pd__TopLogprob **top_p,
+                              Pd__TopLogprob *top_s);
 void pd_node_logprob(const pd_logprobs *lp, Pd__TokenLogprob *out, Pd__TopLogprob **top_buf,
                      Pd__TopLogprob *top_store);
 /* Bytes [off, off + len) of the staging buffer (pd/kvpack.h) of slice s over the node's blocks
