@@ -153,7 +153,7 @@ static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateReques
   char err[1024] = "";
   const char *code = NULL;
   int st = 0;
-  if (smap_get(&r->zreqs, key)) {
+  if (pd_map_ptr(pd_map_cstr_find(&r->zreqs, key))) {
     snprintf(err, sizeof err, "request id %s is already in use on this connection", id);
     st = 400;
   }
@@ -224,7 +224,7 @@ static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateReques
     st = p ? prompt_input(p, g, err, sizeof err) : 500;
   }
   /* registered before the prompt is made, so that a CancelRequest finds it meanwhile */
-  if (!st && !smap_put(&r->zreqs, key, q)) st = 500;
+  if (!st && !pd_map_cstr_put(&r->zreqs, key, (uintptr_t)q)) st = 500;
   if (!st) {
     st = api_prep_submit(p, err, sizeof err, &code);
     if (!st) return; /* it goes on from the pool (perhaps already did) */
@@ -237,13 +237,13 @@ static void on_generate(router *r, const pd_net_msg *m, const Pd__GenerateReques
 void zapi_forget(router *r, rreq *q) {
   char key[2 * PD_NET_ROUTING_ID_MAX + PD_WIRE_ID_MAX_BYTES + 4];
   zkey(q->zrid, q->zrid_len, q->client_id, key, sizeof key);
-  if (smap_get(&r->zreqs, key) == q) smap_del(&r->zreqs, key);
+  if (pd_map_ptr(pd_map_cstr_find(&r->zreqs, key)) == q) pd_map_cstr_del(&r->zreqs, key);
 }
 
 static void on_cancel(router *r, const pd_net_msg *m, const Pd__CancelRequest *c) {
   char key[2 * PD_NET_ROUTING_ID_MAX + PD_WIRE_ID_MAX_BYTES + 4];
   zkey(m->routing_id, m->routing_id_len, c->request_id, key, sizeof key);
-  rreq *q = smap_get(&r->zreqs, key);
+  rreq *q = pd_map_ptr(pd_map_cstr_find(&r->zreqs, key));
   if (!q || q->finished) return;
   /* the client gets a last chunk per unfinished choice (ABORT), then the request is gone; a
    * request whose prompt is still being made has no choices yet: one chunk for index 0 */

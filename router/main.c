@@ -403,7 +403,7 @@ int main(int argc, char **argv) {
   rmetrics_init(r);
   registry_init(r);
   route_init(r);
-  smap_init(&r->zreqs);
+  pd_map_init(&r->zreqs, 0, PD_MAP_COPY_KEYS);
   r->loop = pd_evloop_new(&e);
   if (!r->loop) {
     pd_log(PD_LOG_ERROR, "%s", e.msg);
@@ -531,7 +531,7 @@ out:
   pd_evloop_free(r->loop);
   registry_free(r);
   route_free(r);
-  smap_free(&r->zreqs);
+  pd_map_free(&r->zreqs);
   pd_metrics_free(r->m.reg);
   pd_tokenizer_free(r->tok);
   pd_secret_free(r->api_key_owned);

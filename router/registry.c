@@ -34,7 +34,7 @@ void registry_init(router *r) {
   pd_err e = {0};
   r->live = pd_liveness_new(&lo, &e);
   PD_ASSERT(r->live);
-  smap_init(&r->node_keys);
+  pd_map_init(&r->node_keys, 0, PD_MAP_COPY_KEYS);
 }
 
 static void node_free(rnode *n) {
@@ -43,11 +43,9 @@ static void node_free(rnode *n) {
 }
 
 void registry_free(router *r) {
-  for (size_t i = 0; i < r->node_keys.cap; i++) {
-    smap_entry *en = &r->node_keys.v[i];
-    if (en->key && en->key != (char *)1) free(en->val);
-  }
-  smap_free(&r->node_keys);
+  pd_map_slot *en;
+  for (pd_map_it it = {0}; (en = pd_map_next(&r->node_keys, &it));) free(pd_map_ptr(en));
+  pd_map_free(&r->node_keys);
   for (int i = 0; i < r->n_nodes; i++) node_free(r->nodes[i]);
   free(r->nodes);
   r->nodes = NULL;
@@ -152,7 +150,7 @@ static bool register_key_ok(router *r, const pd_net_msg *m, const Pd__Register *
   char have[PD_CURVE_Z85_LEN + 1] = "none";
   if (m->has_peer_key && !zmq_z85_encode(have, m->peer_key, PD_CURVE_KEY_BYTES))
     snprintf(have, sizeof have, "?");
-  const uint8_t *bound = smap_get(&r->node_keys, g->node_id);
+  const uint8_t *bound = pd_map_ptr(pd_map_cstr_find(&r->node_keys, g->node_id));
   const char *why = NULL;
   if (!m->has_peer_key) why = "its connection has no CURVE key";
   else if (bound && memcmp(bound, m->peer_key, PD_CURVE_KEY_BYTES) != 0)
@@ -165,7 +163,7 @@ static bool register_key_ok(router *r, const pd_net_msg *m, const Pd__Register *
   }
   if (!bound) {
     uint8_t *k = malloc(PD_CURVE_KEY_BYTES);
-    if (!k || !smap_put(&r->node_keys, g->node_id, k)) {
+    if (!k || !pd_map_cstr_put(&r->node_keys, g->node_id, (uintptr_t)k)) {
       free(k);
       pd_log(PD_LOG_ERROR, "refused node %s: out of memory", g->node_id);
       register_reply(r, m, false, "out of memory");

@@ -25,12 +25,12 @@
 #define NO_NODE_GRACE_MS 5000 /* a new request waits this long for a node to (re)appear */
 
 void route_init(router *r) {
-  smap_init(&r->subs_by_wire);
+  pd_map_init(&r->subs_by_wire, 0, PD_MAP_COPY_KEYS);
   r->q_head = r->q_tail = NULL;
   r->q_len = 0;
 }
 
-void route_free(router *r) { smap_free(&r->subs_by_wire); }
+void route_free(router *r) { pd_map_free(&r->subs_by_wire); }
 
 int route_queue_length(router *r) { return r->q_len; }
 int route_active_subs(router *r) { return r->n_active_subs; }
@@ -70,9 +70,10 @@ static void q_push(router *r, rsub *s, bool front) {
 /* ---- helpers ---- */
 
 static void set_wire_id(router *r, rsub *s) {
-  if (s->wire_id[0]) smap_del(&r->subs_by_wire, s->wire_id);
+  if (s->wire_id[0]) pd_map_cstr_del(&r->subs_by_wire, s->wire_id);
   snprintf(s->wire_id, sizeof s->wire_id, "%s.%d.%d", s->req->wire, s->index, s->attempt);
-  if (!smap_put(&r->subs_by_wire, s->wire_id, s)) PD_ASSERT(!"out of memory in the id map");
+  if (!pd_map_cstr_put(&r->subs_by_wire, s->wire_id, (uintptr_t)s))
+    PD_ASSERT(!"out of memory in the id map");
 }
 
 static const prompt *sub_prompt(const rsub *s) { return &s->req->prompts[s->prompt_i]; }
@@ -137,7 +138,7 @@ static void release_attempt(router *r, rsub *s, bool abort, Pd__ErrorCode code,
 static void sub_close(router *r, rsub *s, bool abort, Pd__ErrorCode code, const char *why) {
   if (s->state == SUB_DONE) return;
   release_attempt(r, s, abort, code, why);
-  if (s->wire_id[0]) smap_del(&r->subs_by_wire, s->wire_id);
+  if (s->wire_id[0]) pd_map_cstr_del(&r->subs_by_wire, s->wire_id);
   s->wire_id[0] = 0;
   s->state = SUB_DONE;
   r->n_active_subs--;
@@ -475,7 +476,7 @@ static bool from(const pd_net_msg *m, const rnode *n) {
 }
 
 static void on_reserve_reply(router *r, rnode *n, const Pd__ReserveReply *rr) {
-  rsub *s = smap_get(&r->subs_by_wire, rr->request_id);
+  rsub *s = pd_map_ptr(pd_map_cstr_find(&r->subs_by_wire, rr->request_id));
   if (!s || s->state != SUB_RESERVING || s->decode != n) {
     if (rr->ok) send_abort(r, n, rr->request_id, PD__ERROR_CODE__ERROR_CODE_ABORTED, "stale");
     return;
@@ -531,7 +532,7 @@ static void on_reserve_reply(router *r, rnode *n, const Pd__ReserveReply *rr) {
 static void replay_stash(router *r, rsub *s);
 
 static void on_first_token(router *r, rnode *n, const Pd__FirstToken *ft) {
-  rsub *s = smap_get(&r->subs_by_wire, ft->request_id);
+  rsub *s = pd_map_ptr(pd_map_cstr_find(&r->subs_by_wire, ft->request_id));
   if (!s || s->state != SUB_PREFILLING || s->prefill != n || s->got_first) {
     send_abort(r, n, ft->request_id, PD__ERROR_CODE__ERROR_CODE_ABORTED, "stale");
     return;
@@ -585,7 +586,7 @@ static void replay_stash(router *r, rsub *s) {
 }
 
 static void on_token_stream(router *r, rnode *n, const Pd__TokenStream *ts) {
-  rsub *s = smap_get(&r->subs_by_wire, ts->request_id);
+  rsub *s = pd_map_ptr(pd_map_cstr_find(&r->subs_by_wire, ts->request_id));
   if (!s || s->decode != n || (s->state != SUB_DECODING && s->state != SUB_PREFILLING)) {
     send_abort(r, n, ts->request_id, PD__ERROR_CODE__ERROR_CODE_ABORTED, "stale");
     return;
@@ -629,7 +630,7 @@ static void on_error(router *r, rnode *n, const Pd__Error *err) {
     pd_log(PD_LOG_WARN, "node %s reports: %s", n->id, msg);
     return;
   }
-  rsub *s = smap_get(&r->subs_by_wire, err->request_id);
+  rsub *s = pd_map_ptr(pd_map_cstr_find(&r->subs_by_wire, err->request_id));
   if (!s || (s->prefill != n && s->decode != n)) return;
   char why[700];
   snprintf(why, sizeof why, "node %s: %s", n->id, msg);

@@ -32,7 +32,7 @@
 #include "pd/oai.h"
 #include "pd/tokenizer.h"
 #include "pd/wire.h"
-#include "smap.h"
+#include "pd/map.h"
 #include "workpool.h"
 
 typedef struct router router;
@@ -415,7 +415,7 @@ struct router {
   pd_curve_auth *auth;       /* the cluster port admits member keys only; NULL: --insecure */
   pd_curve_keypair keys;
   bool have_keys;
-  smap node_keys;            /* node id -> the key it first registered with (uint8_t[32],
+  pd_map node_keys;          /* node id -> the key it first registered with (uint8_t[32],
                                 malloc'ed): an id stays bound to its key for the router's
                                 lifetime */
   pd_log_limit deny_log;     /* refused handshakes and messages: at most a few lines per 10 s */
@@ -436,8 +436,8 @@ struct router {
   rreq *gc;
   int n_live; /* request objects not yet freed (the list `all`) */
   uint64_t next_req;
-  smap subs_by_wire;   /* wire id -> rsub */
-  smap zreqs;          /* "<hex routing id>/<client id>" -> rreq */
+  pd_map subs_by_wire; /* wire id -> rsub */
+  pd_map zreqs;        /* "<hex routing id>/<client id>" -> rreq */
   rsub *q_head, *q_tail;
   int q_len;
   int n_active_subs;

@@ -40,7 +40,7 @@
 #include <unistd.h>
 
 #include "http_internal.h"
-#include "smap.h"
+#include "pd/map.h"
 
 #define READ_CHUNK 65536       /* bytes read per recv */
 #define DRIVE_BUDGET 16        /* requests / reads per conn_drive before yielding to others */
@@ -121,7 +121,7 @@ struct pd_http_server {
   size_t nkick;
   uint64_t kick_timer;
   conn *ev_head, *ev_tail; /* evictable connections, oldest first */
-  smap ips;                /* peer address -> peer_ip */
+  pd_map ips;              /* peer address -> peer_ip */
   uint64_t busy_timer;     /* the sweep of the busy table */
   bool busy;               /* see table_busy */
   uint64_t next_req_id;
@@ -391,12 +391,12 @@ static void conn_enter(conn *c, conn_state st) {
 
 /* The open connections of one address: counted in, and out (freed at zero). */
 static peer_ip *ip_ref(pd_http_server *s, const char *key) {
-  peer_ip *ip = smap_get(&s->ips, key);
+  peer_ip *ip = pd_map_ptr(pd_map_cstr_find(&s->ips, key));
   if (!ip) {
     ip = calloc(1, sizeof *ip);
     if (!ip) return NULL;
     snprintf(ip->key, sizeof ip->key, "%s", key);
-    if (!smap_put(&s->ips, ip->key, ip)) {
+    if (!pd_map_cstr_put(&s->ips, ip->key, (uintptr_t)ip)) {
       free(ip);
       return NULL;
     }
@@ -407,7 +407,7 @@ static peer_ip *ip_ref(pd_http_server *s, const char *key) {
 
 static void ip_unref(pd_http_server *s, peer_ip *ip) {
   if (--ip->n > 0) return;
-  smap_del(&s->ips, ip->key);
+  pd_map_cstr_del(&s->ips, ip->key);
   free(ip);
 }
 
@@ -1147,7 +1147,7 @@ static void conn_admit(pd_http_server *s, int fd, const struct sockaddr_storage 
   char ip[INET6_ADDRSTRLEN], peer[PEER_MAX];
   peer_addr(ss, ip, sizeof ip, peer, sizeof peer);
   int per_ip = s->cfg.max_connections_per_ip;
-  peer_ip *pi = per_ip > 0 ? smap_get(&s->ips, ip) : NULL;
+  peer_ip *pi = per_ip > 0 ? pd_map_ptr(pd_map_cstr_find(&s->ips, ip)) : NULL;
   if (pi && pi->n >= (uint32_t)per_ip) {
     if (!pi->ev_head) {
       conn_refuse(s, fd);
@@ -1237,7 +1237,7 @@ pd_http_server *pd_http_server_new(pd_evloop *loop, const pd_http_config *cfg, p
   s->loop = loop;
   s->cfg = *cfg;
   s->lfd = -1;
-  smap_init(&s->ips);
+  pd_map_init(&s->ips, 0, PD_MAP_COPY_KEYS);
   s->host = strdup(cfg->host ? cfg->host : "0.0.0.0");
   if (!s->host) {
     pd_err_set(e, PD_ENOMEM, "http: out of memory");
@@ -1307,7 +1307,7 @@ void pd_http_server_free(pd_http_server *s) {
   /* Cancel callbacks may answer other requests meanwhile: their kicks are not scheduled
    * (freeing) and their connections are closed in turn. */
   while (s->conns) conn_close(s->conns);
-  smap_free(&s->ips); /* empty by now */
+  pd_map_free(&s->ips); /* empty by now */
   free(s->host);
   free(s);
 }

@@ -1,5 +1,5 @@
 /* The block KV cache manager: block pool, free list, LRU of evictable cached blocks, the
- * prefix-cache hash table, copy-on-write, and per-sequence block tables. See pd/kvcache.h for
+ * prefix-cache index, copy-on-write, and per-sequence block tables. See pd/kvcache.h for
  * the contract; this file documents the internal invariants.
  *
  * Block states (exactly one; pd_kv_pool_check verifies all of this):
@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "pd/kvcache.h"
+#include "pd/map.h"
 
 enum { BLK_FREE = 0, BLK_EVICTABLE, BLK_USED, BLK_PINNED };
 
@@ -31,7 +32,6 @@ typedef struct kv_block {
   int32_t ref;         /* references from sequences' block tables */
   int32_t pins;        /* pending copies that read this block */
   int32_t prev, next;  /* links in free_list or lru; -1 at the ends */
-  int32_t hnext;       /* next block in the same hash bucket; -1 at the end */
   uint8_t state;
   uint8_t hashed;
   uint8_t copy_dst;    /* the dst of a pending copy */
@@ -69,8 +69,9 @@ struct pd_kv_pool {
 
   kv_block *blocks;  /* [num_blocks] */
   int32_t *tokens;   /* [num_blocks, block_size] token ids of hashed blocks */
-  int32_t *buckets;  /* [bucket_mask + 1] first block of each hash chain, -1 when empty */
-  uint64_t bucket_mask;
+  pd_map index;      /* block hash -> block id, one entry per hashed block (a multimap: blocks
+                        of different content may share a hash, and identical ones may both be
+                        cached); reserved for num_blocks entries, so it never allocates again */
   kv_list free_list;
   kv_list lru;
   int n_used, n_pinned, n_hashed;
@@ -151,7 +152,7 @@ static int32_t list_pop_front(kv_block *B, kv_list *l) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* hash table: chained through kv_block.hnext, one bucket array                             */
+/* prefix-cache index: a pd_map multimap from block hash to block id                         */
 
 static bool block_matches(const pd_kv_pool *p, int32_t b, uint64_t hash, uint64_t parent_uid,
                           uint64_t salt, const int32_t *tokens) {
@@ -161,12 +162,23 @@ static bool block_matches(const pd_kv_pool *p, int32_t b, uint64_t hash, uint64_
                 (size_t)p->block_size * sizeof(int32_t)) == 0;
 }
 
-/* The cached block with exactly this content and chain position, or -1. */
+/* The index's hash of a block hash: mixed, so that an injected weak hash_fn (tests) does not
+ * pile its values into one probe run. */
+static inline uint64_t index_hash(uint64_t hash) { return pd_map_hash_u64(hash); }
+
+/* The cached block with exactly this content and chain position, or -1. Where several match
+ * (copies kept for forks), the most recently registered, the highest uid. */
 static int32_t cache_find(const pd_kv_pool *p, uint64_t hash, uint64_t parent_uid,
                           uint64_t salt, const int32_t *tokens) {
-  for (int32_t b = p->buckets[hash & p->bucket_mask]; b >= 0; b = p->blocks[b].hnext)
-    if (block_matches(p, b, hash, parent_uid, salt, tokens)) return b;
-  return -1;
+  int32_t best = -1;
+  for (const pd_map_slot *x = pd_map_u64_find(&p->index, index_hash(hash), hash); x;
+       x = pd_map_u64_next(&p->index, x, hash)) {
+    int32_t b = (int32_t)x->val;
+    if (block_matches(p, b, hash, parent_uid, salt, tokens) &&
+        (best < 0 || p->blocks[b].uid > p->blocks[best].uid))
+      best = b;
+  }
+  return best;
 }
 
 static void cache_insert(pd_kv_pool *p, int32_t b, uint64_t hash, uint64_t parent_uid,
@@ -179,9 +191,8 @@ static void cache_insert(pd_kv_pool *p, int32_t b, uint64_t hash, uint64_t paren
   k->uid = p->next_uid++;
   k->hashed = 1;
   memcpy(p->tokens + (size_t)b * p->block_size, tokens, (size_t)p->block_size * sizeof(int32_t));
-  uint64_t i = hash & p->bucket_mask;
-  k->hnext = p->buckets[i];
-  p->buckets[i] = b;
+  const pd_map_slot *x = pd_map_u64_add(&p->index, index_hash(hash), hash, (uint64_t)b);
+  PD_ASSERT(x); /* reserved for every block */
   p->n_hashed++;
 }
 
@@ -189,13 +200,10 @@ static void cache_insert(pd_kv_pool *p, int32_t b, uint64_t hash, uint64_t paren
 static void cache_remove(pd_kv_pool *p, int32_t b) {
   kv_block *k = &p->blocks[b];
   PD_ASSERT(k->hashed);
-  int32_t *link = &p->buckets[k->hash & p->bucket_mask];
-  while (*link != b) {
-    PD_ASSERT(*link >= 0);
-    link = &p->blocks[*link].hnext;
-  }
-  *link = k->hnext;
-  k->hnext = -1;
+  pd_map_slot *x = pd_map_u64_find(&p->index, index_hash(k->hash), k->hash);
+  while (x && x->val != (uint64_t)b) x = pd_map_u64_next(&p->index, x, k->hash);
+  PD_ASSERT(x);
+  pd_map_remove(&p->index, x);
   k->hashed = 0;
   k->uid = 0;
   p->n_hashed--;
@@ -318,19 +326,14 @@ pd_kv_pool *pd_kv_pool_create(const pd_kv_pool_opts *o, pd_err *e) {
     memcpy(p->salt, o->salt, o->salt_len);
     p->salt_len = o->salt_len;
   }
-  uint64_t nbuckets = 16;
-  while (nbuckets < 2 * (uint64_t)o->num_blocks) nbuckets <<= 1;
-  p->bucket_mask = nbuckets - 1;
   p->blocks = calloc((size_t)o->num_blocks, sizeof *p->blocks);
   p->tokens = malloc((size_t)o->num_blocks * (size_t)bs * sizeof *p->tokens);
-  p->buckets = malloc((size_t)nbuckets * sizeof *p->buckets);
   p->copies = malloc((size_t)o->num_blocks * sizeof *p->copies);
-  if (!p->blocks || !p->tokens || !p->buckets || !p->copies) goto oom;
-  for (uint64_t i = 0; i < nbuckets; i++) p->buckets[i] = -1;
+  if (!p->blocks || !p->tokens || !p->copies) goto oom;
+  if (p->prefix_caching && !pd_map_init(&p->index, (size_t)o->num_blocks, 0)) goto oom;
   list_init(&p->free_list);
   list_init(&p->lru);
   for (int32_t b = 0; b < o->num_blocks; b++) {
-    p->blocks[b].hnext = -1;
     p->blocks[b].state = BLK_FREE;
     list_push_back(p->blocks, &p->free_list, b); /* ascending ids: block 0 is taken first */
   }
@@ -349,7 +352,7 @@ void pd_kv_pool_free(pd_kv_pool *p) {
   while (p->seqs) seq_destroy(p->seqs);
   free(p->blocks);
   free(p->tokens);
-  free(p->buckets);
+  pd_map_free(&p->index);
   free(p->copies);
   free(p->salt);
   free(p);
@@ -909,12 +912,10 @@ pd_status pd_kv_pool_check(const pd_kv_pool *p, pd_err *e) {
       CHECK(k->uid > 0 && k->uid < p->next_uid, "block %d has uid %llu", b,
             (unsigned long long)k->uid);
       int found = 0;
-      for (int32_t c = p->buckets[k->hash & p->bucket_mask]; c >= 0; c = p->blocks[c].hnext) {
-        CHECK(p->blocks[c].hashed, "unhashed block %d in the hash table", c);
-        if (c == b) found++;
-        CHECK(found <= 1, "block %d is twice in the hash table", b);
-      }
-      CHECK(found == 1, "hashed block %d is missing from the hash table", b);
+      for (const pd_map_slot *x = pd_map_u64_find(&p->index, index_hash(k->hash), k->hash); x;
+           x = pd_map_u64_next(&p->index, x, k->hash))
+        if (x->val == (uint64_t)b) found++;
+      CHECK(found == 1, "hashed block %d is %d times in the prefix-cache index", b, found);
     } else {
       CHECK(k->uid == 0, "unhashed block %d keeps uid %llu", b, (unsigned long long)k->uid);
     }
@@ -926,13 +927,15 @@ pd_status pd_kv_pool_check(const pd_kv_pool *p, pd_err *e) {
   CHECK(p->free_list.n + p->lru.n + used + pinned == N,
         "free %d + evictable %d + used %d + pinned %d != %d blocks", p->free_list.n, p->lru.n,
         used, pinned, N);
-  int in_table = 0;
-  for (uint64_t i = 0; i <= p->bucket_mask; i++)
-    for (int32_t c = p->buckets[i]; c >= 0; c = p->blocks[c].hnext) {
-      CHECK(++in_table <= hashed, "hash table holds more than %d blocks", hashed);
-      CHECK((p->blocks[c].hash & p->bucket_mask) == i, "block %d is in the wrong bucket", c);
-    }
-  CHECK(in_table == hashed, "hash table holds %d blocks, %d are hashed", in_table, hashed);
+  const pd_map_slot *x;
+  for (pd_map_it it = {0}; (x = pd_map_next(&p->index, &it));) {
+    int32_t c = x->val < (uint64_t)N ? (int32_t)x->val : -1;
+    CHECK(c >= 0 && p->blocks[c].hashed && p->blocks[c].hash == x->key,
+          "prefix-cache index entry %016llx -> %lld is not a hashed block of that hash",
+          (unsigned long long)x->key, (long long)x->val);
+  }
+  CHECK(pd_map_count(&p->index) == (size_t)hashed, "prefix-cache index holds %zu blocks, %d are "
+        "hashed", pd_map_count(&p->index), hashed);
 done:
   free(refs);
   free(pins);

@@ -1,6 +1,6 @@
 /* safetensors reader: each file is mapped read-only, its JSON header is validated entry by
  * entry before any pointer into the data is handed out, and tensors are found by name through
- * an open-addressing hash table (large checkpoints hold ~1000 tensors over several shards).
+ * a pd_map (large checkpoints hold ~1000 tensors over several shards).
  *
  * File layout: [u64 little-endian N][N bytes of JSON header, space-padded][data bytes];
  * header entries give data_offsets relative to the first data byte. */
@@ -18,6 +18,8 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "pd/map.h"
 
 #define ST_MAX_HEADER ((uint64_t)100 << 20) /* bytes of JSON header we agree to parse */
 #define ST_MAX_INDEX ((off_t)100 << 20)     /* bytes of model.safetensors.index.json */
@@ -37,47 +39,13 @@ struct pd_st {
   pd_st_tensor *tensors; /* names are owned (strdup) */
   uint32_t *file_of;     /* [ntensors]: index into files */
   size_t ntensors, cap_tensors;
-  uint32_t *slots; /* [nslots], power of two: tensor index + 1, 0 = empty */
-  size_t nslots;
+  pd_map names; /* name (borrowed from tensors[i].name) -> i */
 };
 
-/* ---- hash table ------------------------------------------------------------------------- */
-
-static uint64_t st_hash(const char *s) { /* FNV-1a, 64 bit */
-  uint64_t h = 1469598103934665603ull;
-  for (; *s; s++) {
-    h ^= (unsigned char)*s;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-static bool st_rehash(pd_st *st, size_t nslots) {
-  uint32_t *slots = calloc(nslots, sizeof *slots);
-  if (!slots) return false;
-  for (size_t i = 0; i < st->ntensors; i++) {
-    size_t j = (size_t)st_hash(st->tensors[i].name) & (nslots - 1);
-    while (slots[j]) j = (j + 1) & (nslots - 1);
-    slots[j] = (uint32_t)(i + 1);
-  }
-  free(st->slots);
-  st->slots = slots;
-  st->nslots = nslots;
-  return true;
-}
-
-/* Slot of name: where it is, or the empty slot where it would go. Requires nslots > 0. */
-static size_t st_slot(const pd_st *st, const char *name) {
-  size_t j = (size_t)st_hash(name) & (st->nslots - 1);
-  while (st->slots[j] && strcmp(st->tensors[st->slots[j] - 1].name, name) != 0)
-    j = (j + 1) & (st->nslots - 1);
-  return j;
-}
-
 const pd_st_tensor *pd_st_find(const pd_st *st, const char *name) {
-  if (!st || !name || st->nslots == 0) return NULL;
-  uint32_t s = st->slots[st_slot(st, name)];
-  return s ? &st->tensors[s - 1] : NULL;
+  if (!st || !name) return NULL;
+  const pd_map_slot *x = pd_map_cstr_find(&st->names, name);
+  return x ? &st->tensors[x->val] : NULL;
 }
 
 size_t pd_st_count(const pd_st *st) { return st ? st->ntensors : 0; }
@@ -105,27 +73,23 @@ static pd_status st_add_tensor(pd_st *st, pd_st_tensor *t, uint32_t fi, pd_err *
     }
     st->cap_tensors = cap;
   }
-  /* Keep the table at most half full. */
-  if (2 * (st->ntensors + 1) > st->nslots) {
-    size_t n = st->nslots ? 2 * st->nslots : 128;
-    while (2 * (st->ntensors + 1) > n) n *= 2;
-    if (!st_rehash(st, n)) {
-      free((char *)t->name);
-      return pd_err_set(e, PD_ENOMEM, "out of memory indexing tensors");
-    }
-  }
-  size_t j = st_slot(st, t->name);
-  if (st->slots[j]) {
-    uint32_t other = st->file_of[st->slots[j] - 1];
+  size_t len = strlen(t->name);
+  uint64_t h = pd_map_hash(t->name, len);
+  const pd_map_slot *dup = pd_map_str_find(&st->names, h, t->name, len);
+  if (dup) {
+    uint32_t other = st->file_of[dup->val];
     pd_status s = pd_err_set(e, PD_EFORMAT, "%s: tensor '%s' is defined twice (also in %s)",
                              st->files[fi].path, t->name, st->files[other].path);
     free((char *)t->name);
     return s;
   }
+  if (!pd_map_str_put(&st->names, h, t->name, len, st->ntensors)) {
+    free((char *)t->name);
+    return pd_err_set(e, PD_ENOMEM, "out of memory indexing tensors");
+  }
   st->tensors[st->ntensors] = *t;
   st->file_of[st->ntensors] = fi;
   st->ntensors++;
-  st->slots[j] = (uint32_t)st->ntensors;
   return PD_OK;
 }
 
@@ -139,7 +103,7 @@ void pd_st_close(pd_st *st) {
   free(st->files);
   free(st->tensors);
   free(st->file_of);
-  free(st->slots);
+  pd_map_free(&st->names);
   free(st);
 }
 
@@ -331,6 +295,7 @@ out:
 static pd_st *st_new(pd_err *e) {
   pd_st *st = calloc(1, sizeof *st);
   if (!st) pd_err_set(e, PD_ENOMEM, "out of memory");
+  else pd_map_init(&st->names, 0, 0); /* allocates with the first tensor */
   return st;
 }
 

@@ -16,6 +16,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "pd/map.h"
+
 #define STW_MAX_HEADER ((uint64_t)100 << 20) /* the safetensors library's own header limit */
 #define STW_MAX_WRITE ((size_t)1 << 30)     /* one write(2) call; Linux caps at ~2 GiB */
 
@@ -30,8 +32,7 @@ typedef struct stw_entry {
 struct pd_stw {
   stw_entry *t;
   size_t n, cap;
-  uint32_t *slots; /* open-addressing set of tensor indices + 1 (0 = empty), by name */
-  size_t nslots;
+  pd_map names; /* name (borrowed from t[i].name) -> i */
   char **meta; /* [2 * n_meta] key, value */
   size_t n_meta;
   uint64_t data_size;
@@ -44,12 +45,6 @@ struct pd_stw {
 };
 
 /* ---- small helpers ------------------------------------------------------------------------- */
-
-static uint64_t stw_hash(const char *s) { /* FNV-1a */
-  uint64_t h = 1469598103934665603ull;
-  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  return h;
-}
 
 /* Strict UTF-8 (no overlongs, surrogates or code points past U+10FFFF): JSON strings must be. */
 static bool stw_utf8_ok(const char *s) {
@@ -139,6 +134,7 @@ pd_stw *pd_stw_new(pd_err *e) {
     return NULL;
   }
   w->fd = -1;
+  pd_map_init(&w->names, 0, 0); /* allocates with the first tensor */
   return w;
 }
 
@@ -151,7 +147,7 @@ void pd_stw_free(pd_stw *w) {
   for (size_t i = 0; i < w->n; i++) free(w->t[i].name);
   for (size_t i = 0; i < 2 * w->n_meta; i++) free(w->meta[i]);
   free(w->t);
-  free(w->slots);
+  pd_map_free(&w->names);
   free(w->meta);
   free(w->header);
   free(w->path);
@@ -169,31 +165,6 @@ uint64_t pd_stw_tensor_bytes(pd_dtype dtype, int ndim, const int64_t *shape) {
     n *= d;
   }
   return n;
-}
-
-/* Index of name in w->t, or -1. */
-static ptrdiff_t stw_find(const pd_stw *w, const char *name) {
-  if (!w->nslots) return -1;
-  for (size_t i = stw_hash(name) & (w->nslots - 1);; i = (i + 1) & (w->nslots - 1)) {
-    uint32_t s = w->slots[i];
-    if (!s) return -1;
-    if (strcmp(w->t[s - 1].name, name) == 0) return (ptrdiff_t)(s - 1);
-  }
-}
-
-static bool stw_index_grow(pd_stw *w) {
-  size_t ns = w->nslots ? 2 * w->nslots : 64;
-  uint32_t *slots = calloc(ns, sizeof *slots);
-  if (!slots) return false;
-  for (size_t k = 0; k < w->n; k++) {
-    size_t i = stw_hash(w->t[k].name) & (ns - 1);
-    while (slots[i]) i = (i + 1) & (ns - 1);
-    slots[i] = (uint32_t)(k + 1);
-  }
-  free(w->slots);
-  w->slots = slots;
-  w->nslots = ns;
-  return true;
 }
 
 pd_status pd_stw_add(pd_stw *w, const char *name, pd_dtype dtype, int ndim, const int64_t *shape,
@@ -217,7 +188,9 @@ pd_status pd_stw_add(pd_stw *w, const char *name, pd_dtype dtype, int ndim, cons
   for (int i = 0; i < ndim; i++) empty |= shape[i] == 0;
   if ((nb == 0 && !empty) || nb > UINT64_MAX / 4 - w->data_size)
     return pd_err_set(e, PD_ERANGE, "safetensors: tensor '%.200s' is too large", name);
-  if (stw_find(w, name) >= 0)
+  size_t len = strlen(name);
+  uint64_t h = pd_map_hash(name, len);
+  if (pd_map_str_find(&w->names, h, name, len))
     return pd_err_set(e, PD_EINVAL, "safetensors: tensor '%.200s' declared twice", name);
   if (w->n >= UINT32_MAX - 1) return pd_err_set(e, PD_ERANGE, "safetensors: too many tensors");
   if (w->n == w->cap) {
@@ -227,20 +200,19 @@ pd_status pd_stw_add(pd_stw *w, const char *name, pd_dtype dtype, int ndim, cons
     w->t = t;
     w->cap = cap;
   }
-  if (2 * (w->n + 1) > w->nslots && !stw_index_grow(w))
-    return pd_err_set(e, PD_ENOMEM, "out of memory");
   stw_entry *t = &w->t[w->n];
   memset(t, 0, sizeof *t);
-  if (!(t->name = strdup(name))) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  if (!(t->name = strdup(name)) || !pd_map_str_put(&w->names, h, t->name, len, w->n)) {
+    free(t->name);
+    t->name = NULL;
+    return pd_err_set(e, PD_ENOMEM, "out of memory");
+  }
   t->dtype = dtype;
   t->ndim = ndim;
   for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
   t->begin = w->data_size;
   t->nbytes = nb;
   w->data_size += nb;
-  size_t i = stw_hash(name) & (w->nslots - 1);
-  while (w->slots[i]) i = (i + 1) & (w->nslots - 1);
-  w->slots[i] = (uint32_t)(w->n + 1);
   w->n++;
   return PD_OK;
 }

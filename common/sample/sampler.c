@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "pd/map.h"
 #include "pd/sample.h"
 
 /* ------------------------------------------------------------------------------------------
@@ -385,12 +386,11 @@ struct pd_sampler {
   size_t n_suppress;
 
   /* Penalty counts: a dense entry list (iterated to apply penalties: O(distinct tokens))
-   * indexed by an open-addressing table of entry index + 1 (0 = empty). */
+   * and a map from token id to entry index. */
   bool penalties;
   pen_entry *ent;
   int32_t n_ent, ent_cap;
-  int32_t *table;
-  uint32_t table_mask;
+  pd_map index; /* id -> index into ent; room for ent_cap ids, so adding never allocates */
   int32_t *hist;        /* output ids, for rollback (only with penalties) */
   int32_t n_hist, hist_cap;
 
@@ -427,7 +427,7 @@ void pd_sampler_free(pd_sampler *s) {
   free(s->eos);
   free(s->suppress);
   free(s->ent);
-  free(s->table);
+  pd_map_free(&s->index);
   free(s->hist);
   free(s->undo);
   free(s);
@@ -449,6 +449,7 @@ pd_sampler *pd_sampler_new(const pd_sampling_params *p, int32_t vocab_size,
     }
   pd_sampler *s = calloc(1, sizeof *s);
   if (!s) goto oom;
+  pd_map_init(&s->index, 0, 0); /* allocates with the first penalty entry */
   s->p = *p;
   s->vocab = vocab_size;
 
@@ -535,13 +536,8 @@ double pd_sampler_uniform(const pd_sampler *s, uint32_t lane) {
 
 /* ---- penalty map ---- */
 
-static inline uint32_t hash_id(int32_t id) {
-  uint32_t h = (uint32_t)id * 0x9E3779B1u;
-  return h ^ (h >> 15);
-}
-
-/* Makes room for one more entry (table load <= 1/2). Nothing is committed until every
- * allocation has succeeded; arrays that grew before a failure are merely larger. */
+/* Makes room for one more entry. Nothing is committed until every allocation has succeeded;
+ * arrays that grew before a failure are merely larger. */
 static pd_status map_reserve(pd_sampler *s, pd_err *e) {
   if (s->n_ent + 1 <= s->ent_cap) return PD_OK;
   int32_t cap = s->ent_cap ? s->ent_cap * 2 : 64;
@@ -550,46 +546,28 @@ static pd_status map_reserve(pd_sampler *s, pd_err *e) {
   s->ent = ent;
   pd_status st = ensure_undo(s, cap, e);
   if (st != PD_OK) return st;
-  uint32_t tsize = (uint32_t)cap * 2;
-  int32_t *table = calloc(tsize, sizeof(int32_t));
-  if (!table) return pd_err_set(e, PD_ENOMEM, "sampler: out of memory for penalty counts");
-  free(s->table);
-  s->table = table;
-  s->table_mask = tsize - 1;
-  for (int32_t i = 0; i < s->n_ent; i++) {
-    uint32_t h = hash_id(s->ent[i].id) & s->table_mask;
-    while (table[h]) h = (h + 1) & s->table_mask;
-    table[h] = i + 1;
-  }
+  if (!pd_map_reserve(&s->index, (size_t)cap))
+    return pd_err_set(e, PD_ENOMEM, "sampler: out of memory for penalty counts");
   s->ent_cap = cap;
   return PD_OK;
 }
 
 /* The entry of id, created (zeroed) when absent. Needs map_reserve first. */
 static pen_entry *map_get(pd_sampler *s, int32_t id) {
-  uint32_t h = hash_id(id) & s->table_mask;
-  while (s->table[h]) {
-    pen_entry *x = &s->ent[s->table[h] - 1];
-    if (x->id == id) return x;
-    h = (h + 1) & s->table_mask;
-  }
-  pen_entry *x = &s->ent[s->n_ent];
-  x->id = id;
-  x->count = 0;
-  x->in_prompt = 0;
-  s->table[h] = ++s->n_ent;
-  return x;
+  uint64_t k = (uint32_t)id, h = pd_map_hash_u64(k);
+  const pd_map_slot *x = pd_map_u64_find(&s->index, h, k);
+  if (x) return &s->ent[x->val];
+  x = pd_map_u64_add(&s->index, h, k, (uint64_t)s->n_ent);
+  PD_ASSERT(x); /* map_reserve made room */
+  pen_entry *en = &s->ent[s->n_ent++];
+  *en = (pen_entry){.id = id};
+  return en;
 }
 
 static pen_entry *map_find(const pd_sampler *s, int32_t id) {
-  if (!s->table) return NULL;
-  uint32_t h = hash_id(id) & s->table_mask;
-  while (s->table[h]) {
-    pen_entry *x = &s->ent[s->table[h] - 1];
-    if (x->id == id) return x;
-    h = (h + 1) & s->table_mask;
-  }
-  return NULL;
+  uint64_t k = (uint32_t)id;
+  const pd_map_slot *x = pd_map_u64_find(&s->index, pd_map_hash_u64(k), k);
+  return x ? &s->ent[x->val] : NULL;
 }
 
 pd_status pd_sampler_add_prompt(pd_sampler *s, const int32_t *ids, size_t n, pd_err *e) {

@@ -21,6 +21,7 @@
 #include <pcre2.h>
 
 #include "pd/chat_template.h"
+#include "pd/map.h"
 #include "pd/status.h"
 #include "pd/tokenizer.h"
 
@@ -39,35 +40,24 @@ bool tk_buf_cstr(tk_buf *b); /* writes a NUL after the last byte (not counted in
 void tk_buf_free(tk_buf *b);
 
 /* ---------------------------------------------------------------- hash maps ---- */
-/* Byte string -> int32. Keys are not copied: they must outlive the map. */
-typedef struct tk_strmap_ent {
-  const char *s;
-  uint32_t len;
-  uint32_t hash;
-  int32_t val;
-} tk_strmap_ent;
-
-typedef struct tk_strmap {
-  tk_strmap_ent *e; /* [mask + 1]; s == NULL marks an empty slot */
-  uint32_t mask, n;
-} tk_strmap;
-
-bool tk_strmap_init(tk_strmap *m, size_t expected);
-/* Inserts or overwrites; false on allocation failure. */
-bool tk_strmap_put(tk_strmap *m, const char *s, size_t len, int32_t val);
-int32_t tk_strmap_get(const tk_strmap *m, const char *s, size_t len); /* -1 when absent */
-void tk_strmap_free(tk_strmap *m);
-
-/* uint64 -> uint64. The key UINT64_MAX is reserved (marks empty slots). */
-typedef struct tk_u64map {
-  uint64_t *k, *v; /* [mask + 1] */
-  uint32_t mask, n;
-} tk_u64map;
-
-bool tk_u64map_init(tk_u64map *m, size_t expected);
-bool tk_u64map_put(tk_u64map *m, uint64_t k, uint64_t v);
-bool tk_u64map_get(const tk_u64map *m, uint64_t k, uint64_t *v);
-void tk_u64map_free(tk_u64map *m);
+/* The tokenizer's keys in the program's map (pd/map.h): byte strings -> id (keys borrowed from
+ * the tokenizer's arena) and u64 -> u64, hashed with pd_map_hash and pd_map_hash_u64. */
+static inline int32_t tk_str_get(const pd_map *m, const char *s, size_t len) { /* -1: absent */
+  const pd_map_slot *x = pd_map_str_find(m, pd_map_hash(s, len), s, len);
+  return x ? (int32_t)x->val : -1;
+}
+/* Inserts or overwrites; false on allocation failure. s must outlive the map. */
+static inline bool tk_str_put(pd_map *m, const char *s, size_t len, int32_t id) {
+  return pd_map_str_put(m, pd_map_hash(s, len), s, len, (uint32_t)id) != NULL;
+}
+static inline bool tk_u64_get(const pd_map *m, uint64_t k, uint64_t *v) {
+  const pd_map_slot *x = pd_map_u64_find(m, pd_map_hash_u64(k), k);
+  if (x) *v = x->val;
+  return x != NULL;
+}
+static inline bool tk_u64_put(pd_map *m, uint64_t k, uint64_t v) {
+  return pd_map_u64_put(m, pd_map_hash_u64(k), k, v) != NULL;
+}
 
 /* ---------------------------------------------------------------- arena ---- */
 /* Bump allocator for the token strings (hundreds of thousands of small strings). */
@@ -232,9 +222,9 @@ pd_status tk_pretok_apply(const tk_pretok *v, size_t nv, const char *s, size_t n
 #define TK_MAX_ID (1 << 24)
 
 typedef struct tk_bpe {
-  tk_strmap vocab;  /* model vocabulary: token string -> id (strings in the tokenizer's arena) */
+  pd_map vocab;     /* model vocabulary: token string -> id (strings in the tokenizer's arena) */
   int32_t max_id;   /* largest vocabulary id */
-  tk_u64map merges; /* (left id << 32 | right id) -> (rank << 32 | merged id) */
+  pd_map merges;    /* (left id << 32 | right id) -> (rank << 32 | merged id) */
   int32_t unk_id;   /* -1: no unk token (unknown characters are dropped, as in `tokenizers`) */
   bool fuse_unk, byte_fallback, ignore_merges;
   char *prefix; /* continuing_subword_prefix ("" when none) */
@@ -326,7 +316,7 @@ typedef struct tk_added {
 
 /* Byte trie over added-token contents for leftmost-longest matching. */
 typedef struct tk_trie {
-  tk_u64map edges; /* (node << 8 | byte) -> child node */
+  pd_map edges;    /* (node << 8 | byte) -> child node */
   int32_t *term;   /* node -> index into pd_tokenizer.added, or -1 */
   size_t n_nodes, cap_nodes;
   bool first[256]; /* bytes that start some pattern */
@@ -338,7 +328,7 @@ struct pd_tokenizer {
   tk_tok *toks; /* [n_toks], indexed by id */
   int32_t n_toks;
   tk_bpe bpe;
-  tk_strmap added_map; /* added-token content -> id */
+  pd_map added_map; /* added-token content -> id */
   tk_added *added;
   size_t n_added;
   tk_trie trie_raw, trie_norm;

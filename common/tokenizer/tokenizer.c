@@ -88,7 +88,7 @@ static bool json_id(const cJSON *x, int32_t *id) {
 
 static pd_status trie_init(tk_trie *tr, pd_err *e) {
   memset(tr, 0, sizeof *tr);
-  if (!tk_u64map_init(&tr->edges, 64)) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  if (!pd_map_init(&tr->edges, 64, 0)) return pd_err_set(e, PD_ENOMEM, "out of memory");
   tr->term = malloc(64 * sizeof *tr->term);
   if (!tr->term) return pd_err_set(e, PD_ENOMEM, "out of memory");
   tr->cap_nodes = 64;
@@ -98,7 +98,7 @@ static pd_status trie_init(tk_trie *tr, pd_err *e) {
 }
 
 static void trie_free(tk_trie *tr) {
-  tk_u64map_free(&tr->edges);
+  pd_map_free(&tr->edges);
   free(tr->term);
   tr->term = NULL;
 }
@@ -108,7 +108,7 @@ static pd_status trie_add(tk_trie *tr, const char *s, size_t n, int32_t idx, pd_
   uint64_t node = 0;
   for (size_t i = 0; i < n; i++) {
     uint64_t key = (node << 8) | (unsigned char)s[i], child;
-    if (!tk_u64map_get(&tr->edges, key, &child)) {
+    if (!tk_u64_get(&tr->edges, key, &child)) {
       if (tr->n_nodes == tr->cap_nodes) {
         size_t cap = tr->cap_nodes * 2;
         int32_t *t = realloc(tr->term, cap * sizeof *t);
@@ -118,7 +118,7 @@ static pd_status trie_add(tk_trie *tr, const char *s, size_t n, int32_t idx, pd_
       }
       child = tr->n_nodes++;
       tr->term[child] = -1;
-      if (!tk_u64map_put(&tr->edges, key, child)) return pd_err_set(e, PD_ENOMEM, "out of memory");
+      if (!tk_u64_put(&tr->edges, key, child)) return pd_err_set(e, PD_ENOMEM, "out of memory");
     }
     node = child;
   }
@@ -135,7 +135,7 @@ static size_t trie_match_at(const tk_trie *tr, const char *s, size_t n, size_t i
   size_t best = 0;
   for (size_t j = i; j < n; j++) {
     uint64_t child;
-    if (!tk_u64map_get(&tr->edges, (node << 8) | (unsigned char)s[j], &child)) break;
+    if (!tk_u64_get(&tr->edges, (node << 8) | (unsigned char)s[j], &child)) break;
     node = child;
     if (tr->term[node] >= 0) {
       best = j + 1 - i;
@@ -516,9 +516,9 @@ static pd_status load_added(pd_tokenizer *t, const cJSON *list, pd_err *e) {
   else if (!cJSON_IsArray(list)) return pd_err_set(e, PD_EFORMAT, "\"added_tokens\" must be an array");
   size_t n = list ? (size_t)cJSON_GetArraySize(list) : 0;
   t->added = calloc(n ? n : 1, sizeof *t->added);
-  if (!t->added || !tk_strmap_init(&t->added_map, n)) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  if (!t->added || !pd_map_init(&t->added_map, n, 0)) return pd_err_set(e, PD_ENOMEM, "out of memory");
   int32_t max_added = -1;
-  const int32_t n_vocab = (int32_t)t->bpe.vocab.n;
+  const int32_t n_vocab = (int32_t)pd_map_count(&t->bpe.vocab);
   const cJSON *it;
   for (it = list ? list->child : NULL; it; it = it->next) {
     int32_t declared;
@@ -535,7 +535,7 @@ static pd_status load_added(pd_tokenizer *t, const cJSON *list, pd_err *e) {
         .rstrip = tk_json_bool(it, "rstrip", false),
         .normalized = tk_json_bool(it, "normalized", !special),
     };
-    int32_t id = tk_strmap_get(&t->added_map, content, len);
+    int32_t id = tk_str_get(&t->added_map, content, len);
     if (id >= 0) {
       /* Same content again: same id, the new flags replace the old ones. */
       for (size_t i = 0; i < t->n_added; i++) {
@@ -550,7 +550,7 @@ static pd_status load_added(pd_tokenizer *t, const cJSON *list, pd_err *e) {
       }
       continue;
     }
-    id = tk_strmap_get(&t->bpe.vocab, content, len);
+    id = tk_str_get(&t->bpe.vocab, content, len);
     if (id < 0) {
       if (max_added < 0) id = n_vocab;
       else id = (max_added >= n_vocab || n_vocab == 0) ? max_added + 1 : n_vocab;
@@ -562,7 +562,7 @@ static pd_status load_added(pd_tokenizer *t, const cJSON *list, pd_err *e) {
     a.s = s;
     a.len = len;
     t->added[t->n_added++] = a;
-    if (!tk_strmap_put(&t->added_map, s, len, id)) return pd_err_set(e, PD_ENOMEM, "out of memory");
+    if (!tk_str_put(&t->added_map, s, len, id)) return pd_err_set(e, PD_ENOMEM, "out of memory");
     if (id > max_added) max_added = id;
   }
   return PD_OK;
@@ -576,9 +576,16 @@ static pd_status build_toks(pd_tokenizer *t, pd_err *e) {
   t->n_toks = max_id + 1;
   t->toks = calloc((size_t)t->n_toks, sizeof *t->toks);
   if (!t->toks) return pd_err_set(e, PD_ENOMEM, "out of memory");
-  const tk_strmap *v = &t->bpe.vocab;
-  for (uint32_t i = 0; i <= v->mask; i++)
-    if (v->e[i].s) t->toks[v->e[i].val] = (tk_tok){v->e[i].s, v->e[i].len, TK_TOK_PRESENT};
+  /* Where the vocabulary gives one id to several strings, the id decodes to the smallest (by
+   * length, then bytes): a choice that does not depend on the map's order. */
+  const pd_map_slot *x;
+  for (pd_map_it it = {0}; (x = pd_map_next(&t->bpe.vocab, &it));) {
+    tk_tok *o = &t->toks[x->val];
+    const char *s = pd_map_str_key(x);
+    uint32_t len = (uint32_t)pd_map_str_len(x);
+    if (o->flags && (o->len < len || (o->len == len && memcmp(o->s, s, len) <= 0))) continue;
+    *o = (tk_tok){s, len, TK_TOK_PRESENT};
+  }
   for (size_t i = 0; i < t->n_added; i++) {
     const tk_added *a = &t->added[i];
     t->toks[a->id] = (tk_tok){a->s, (uint32_t)a->len,
@@ -735,7 +742,7 @@ pd_tokenizer *pd_tokenizer_load_files(const char *tokenizer_json, const char *co
 void pd_tokenizer_free(pd_tokenizer *t) {
   if (!t) return;
   tk_bpe_free(&t->bpe);
-  tk_strmap_free(&t->added_map);
+  pd_map_free(&t->added_map);
   free(t->added);
   trie_free(&t->trie_raw);
   trie_free(&t->trie_norm);
@@ -765,8 +772,8 @@ const char *pd_tokenizer_id_to_token(const pd_tokenizer *t, int32_t id) {
 int32_t pd_tokenizer_token_to_id(const pd_tokenizer *t, const char *token) {
   if (!t || !token) return -1;
   size_t n = strlen(token);
-  int32_t id = tk_strmap_get(&t->added_map, token, n);
-  return id >= 0 ? id : tk_strmap_get(&t->bpe.vocab, token, n);
+  int32_t id = tk_str_get(&t->added_map, token, n);
+  return id >= 0 ? id : tk_str_get(&t->bpe.vocab, token, n);
 }
 
 bool pd_tokenizer_is_special(const pd_tokenizer *t, int32_t id) {

@@ -547,6 +547,38 @@ static void test_added_flags(const char *tmp) {
   unlink(path);
 }
 
+/* A vocabulary that gives one id to several strings: each string encodes to the id, and the id
+ * decodes to the shortest string (then the smallest bytes) whatever the order in the file. */
+static void test_shared_id(const char *tmp) {
+  const char *orders[2][4] = {{"a", "zz", "y", "x"}, {"x", "y", "zz", "a"}};
+  for (int o = 0; o < 2; o++) {
+    cJSON *root = cJSON_CreateObject();
+    cJSON *model = cJSON_AddObjectToObject(root, "model");
+    cJSON_AddStringToObject(model, "type", "BPE");
+    cJSON *vocab = cJSON_AddObjectToObject(model, "vocab");
+    for (int i = 0; i < 4; i++) cJSON_AddNumberToObject(vocab, orders[o][i], strcmp(orders[o][i], "a") ? 1 : 0);
+    cJSON_AddArrayToObject(model, "merges");
+    char *js = cJSON_PrintUnformatted(root);
+    char path[4200];
+    snprintf(path, sizeof path, "%s/tokenizer.json", tmp);
+    write_all(path, js, strlen(js));
+    free(js);
+    cJSON_Delete(root);
+    pd_err e = {0};
+    pd_tokenizer *t = pd_tokenizer_load(tmp, &e);
+    CHECK(t != NULL, "shared-id tokenizer: %s", e.msg);
+    if (t) {
+      CHECK(pd_tokenizer_token_to_id(t, "zz") == 1 && pd_tokenizer_token_to_id(t, "x") == 1 &&
+                pd_tokenizer_token_to_id(t, "y") == 1 && pd_tokenizer_token_to_id(t, "a") == 0,
+            "shared-id lookups (order %d)", o);
+      const char *s = pd_tokenizer_id_to_token(t, 1);
+      CHECK(s && !strcmp(s, "x"), "id 1 decodes to '%s', want 'x' (order %d)", s ? s : "(null)", o);
+      pd_tokenizer_free(t);
+    }
+    unlink(path);
+  }
+}
+
 /* Metaspace(prepend_scheme "first", split false) is the modern form of Llama 2's
  * Prepend/Replace normalizer: same ids on the golden texts, except those that start with a
  * space (Prepend adds "▁" regardless; Metaspace does not add a second one). */
@@ -770,6 +802,7 @@ int main(int argc, char **argv) {
   test_ids_and_config();
   test_partial_bytes();
   test_added_flags(tmp);
+  test_shared_id(tmp);
   test_metaspace_equivalence(tmp);
   test_threads();
   test_chat();
