@@ -5,29 +5,33 @@
 # the nodes' KV loop-time counters. Run from the repository root with a bundle of prebuilt
 # programs as bench/gpu_suite.sh takes it (bin/, lib/; bench/pack_dev.sh makes one).
 #
-#   bench/gpu_serving.sh BUNDLE_DIR [two | one | cpu] [CONCURRENCY ...]
+#   bench/gpu_serving.sh BUNDLE_DIR [two | one | unified | cpu] [CONCURRENCY ...]
 #
-#   two  prefill node on cuda:0, decode node on cuda:1, --gpu-memory-utilization 0.85 (default;
-#        a machine with two GPUs)
-#   one  both nodes on cuda:0, 0.4 each
+#   two      prefill node on cuda:0, decode node on cuda:1, --gpu-memory-utilization 0.85
+#            (default; a machine with two GPUs)
+#   one      both nodes on cuda:0, 0.4 each
+#   unified  one unified node (pd-decode --unified) on cuda:0, 0.85: prefill and decode in one
+#            continuous batch, no KV transfer
 #   cpu  both nodes on the CPU: a smoke test of this script, not a benchmark
 #   CONCURRENCY: the caps to run, one `pdctl bench` each (default: 128 256)
 #
 # Environment: MODEL (a model folder; default: `pdctl make-model --like llama3-8b` into
 # /tmp/pdserve-llama3-8b), PROMPTS (512), INPUT_LEN (128), OUTPUT_LEN (128), NODE_ARGS (options
-# for every node, after `--` of `pdctl cluster up`, e.g. "--kv-crc-threads 1").
+# for every node, after `--` of `pdctl cluster up`, e.g. "--kv-crc-threads 1"), UP_ARGS (options
+# of `pdctl cluster up` itself, e.g. "--insecure" to measure without CURVE).
 # docs/benchmarks.md ("Serving on GPUs") has the figures of this recipe.
 set -u
 . "$(dirname "$0")/bundle_tree.sh"
-D=${1:?usage: gpu_serving.sh BUNDLE_DIR [two | one | cpu] [CONCURRENCY ...]}
+D=${1:?usage: gpu_serving.sh BUNDLE_DIR [two | one | unified | cpu] [CONCURRENCY ...]}
 mode=${2:-two}
 shift $(($# >= 2 ? 2 : 1))
 concs=${*:-128 256}
 case "$mode" in
 two) devs=(--prefill-device cuda:0 --decode-device cuda:1 --gpu-memory-utilization 0.85) ;;
-one) devs=(--device cuda:0 --gpu-memory-utilization 0.4) ;;
+one) devs=(--device cuda:0 --prefill 1 --decode 1 --gpu-memory-utilization 0.4) ;;
+unified) devs=(--device cuda:0 --unified 1 --gpu-memory-utilization 0.85) ;;
 cpu) devs=(--device cpu) ;;
-*) echo "gpu_serving.sh: unknown mode '$mode' (two, one or cpu)" >&2; exit 2 ;;
+*) echo "gpu_serving.sh: unknown mode '$mode' (two, one, unified or cpu)" >&2; exit 2 ;;
 esac
 export LD_LIBRARY_PATH="$D/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0
@@ -56,8 +60,10 @@ trap down EXIT
 echo "=== cluster up: $mode (${devs[*]}), model $M ($(date +%T))"
 extra=()
 [ -n "${NODE_ARGS:-}" ] && read -r -a extra <<< "-- $NODE_ARGS"
-if ! timeout 300 "$T/tools/pdctl" cluster up --model "$M" "${devs[@]}" --port 0 --run-dir "$R" \
-  --quiet "${extra[@]}"; then
+up=()
+[ -n "${UP_ARGS:-}" ] && read -r -a up <<< "$UP_ARGS"
+if ! timeout 300 "$T/tools/pdctl" cluster up --model "$M" "${devs[@]}" "${up[@]}" --port 0 \
+  --run-dir "$R" --quiet "${extra[@]}"; then
   echo "gpu_serving.sh: the cluster did not come up; its logs:" >&2
   tail -n 20 "$R"/*.log >&2 2>/dev/null
   exit 1
