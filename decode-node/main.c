@@ -415,7 +415,6 @@ static void on_reserve(const Pd__Reserve *m) {
  * sequences' decode steps), then decoded here; no reservation, no KV transfer. */
 static void on_local_prefill(const Pd__Prefill *m) {
   pd_node *n = &g.node;
-  pd_err e = {0};
   if (!n->o.unified || !m->decode_here) {
     pd_metric_add(g.m_errors_invalid, 1);
     pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED, m->request_id, false,
@@ -427,28 +426,21 @@ static void on_local_prefill(const Pd__Prefill *m) {
                        "request id is already in use on this node");
     return;
   }
-  size_t nbias = m->sampling ? m->sampling->n_logit_bias : 0;
-  pd_logit_bias *bias = calloc(nbias ? nbias : 1, sizeof *bias);
+  pd_sampling_params p;
+  pd_logit_bias *bias = NULL;
+  pd_status st = pd_node_sampling(n, m->request_id, m->sampling, &p, &bias);
+  if (st != PD_OK) {
+    if (st != PD_ENOMEM) pd_metric_add(g.m_errors_invalid, 1);
+    return;
+  }
   dreq *r = calloc(1, sizeof *r);
-  if (!bias || !r || (g.n_reqs == g.cap_reqs && !grow_reqs())) {
+  if (!r || (g.n_reqs == g.cap_reqs && !grow_reqs())) {
     free(bias);
     free(r);
     pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INTERNAL, m->request_id, true,
                        "out of memory");
     return;
   }
-  Pd__SamplingParams defaults = PD__SAMPLING_PARAMS__INIT;
-  pd_sampling_params p;
-  if (pd_wire_sampling_params(m->sampling ? m->sampling : &defaults, &p, bias, nbias ? nbias : 1,
-                              &e) != PD_OK) {
-    free(bias);
-    free(r);
-    pd_metric_add(g.m_errors_invalid, 1);
-    pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST, m->request_id, false, "%s",
-                       e.msg);
-    return;
-  }
-  p.n = 1; /* the router fans n out (sample_index) */
   snprintf(r->id, sizeof r->id, "%s", m->request_id);
   r->sid = ++g.next_sid;
   r->local = true;
@@ -458,18 +450,10 @@ static void on_local_prefill(const Pd__Prefill *m) {
   r->n_ctx = r->n_prompt + r->n_gen_base;
   r->n_generated = (uint32_t)r->n_gen_base;
   r->want_lp = p.logprobs >= 0;
-  pd_sched_req sr = {.id = r->sid, .prompt = m->prompt_token_ids, .n_prompt = r->n_prompt,
-                     .generated = m->generated_token_ids, .n_generated = r->n_gen_base,
-                     .params = &p, .sample_index = m->sample_index,
-                     .cache_salt = pd_kv_cache_salt(m->cache_salt)};
-  pd_status st = pd_sched_add_req(n->rt.sched, &sr, &e);
+  st = pd_node_sched_prefill(n, m, r->sid, &p);
   free(bias);
   if (st != PD_OK) {
     pd_metric_add(g.m_errors_invalid, 1);
-    pd_node_send_error(n,
-                       st == PD_ERANGE ? PD__ERROR_CODE__ERROR_CODE_CONTEXT_TOO_LONG
-                                       : PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST,
-                       m->request_id, false, "%s", e.msg);
     free(r);
     return;
   }

@@ -411,7 +411,6 @@ static void on_event(void *user, const pd_sched_event *ev) {
 
 static void on_prefill(const Pd__Prefill *m) {
   pd_node *n = &g.node;
-  pd_err e = {0};
   if (find_by_id(m->request_id)) {
     pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST, m->request_id, false,
                        "request id is already in use on this node");
@@ -436,28 +435,21 @@ static void on_prefill(const Pd__Prefill *m) {
       return;
     }
   }
-  size_t nbias = m->sampling ? m->sampling->n_logit_bias : 0;
-  pd_logit_bias *bias = calloc(nbias ? nbias : 1, sizeof *bias);
+  pd_sampling_params p;
+  pd_logit_bias *bias = NULL;
+  pd_status st = pd_node_sampling(n, m->request_id, m->sampling, &p, &bias);
+  if (st != PD_OK) {
+    if (st != PD_ENOMEM) pd_metric_add(g.m_errors_invalid, 1);
+    return;
+  }
   preq *r = calloc(1, sizeof *r);
-  if (!bias || !r) {
+  if (!r) {
     free(bias);
     free(r);
     pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INTERNAL, m->request_id, true,
                        "out of memory");
     return;
   }
-  pd_sampling_params p;
-  Pd__SamplingParams defaults = PD__SAMPLING_PARAMS__INIT;
-  if (pd_wire_sampling_params(m->sampling ? m->sampling : &defaults, &p, bias, nbias ? nbias : 1,
-                              &e) != PD_OK) {
-    free(bias);
-    free(r);
-    pd_metric_add(g.m_errors_invalid, 1);
-    pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST, m->request_id, false, "%s",
-                       e.msg);
-    return;
-  }
-  p.n = 1; /* the router fans n out (sample_index) */
   snprintf(r->id, sizeof r->id, "%s", m->request_id);
   r->sid = ++g.next_sid;
   r->n_prompt = (int)m->n_prompt_token_ids;
@@ -483,18 +475,10 @@ static void on_prefill(const Pd__Prefill *m) {
     }
     memcpy(r->dest_blocks, d->block_ids, d->n_block_ids * sizeof *r->dest_blocks);
   }
-  pd_sched_req sr = {.id = r->sid, .prompt = m->prompt_token_ids, .n_prompt = r->n_prompt,
-                     .generated = m->generated_token_ids, .n_generated = r->n_gen,
-                     .params = &p, .sample_index = m->sample_index,
-                     .cache_salt = pd_kv_cache_salt(m->cache_salt)};
-  pd_status st = pd_sched_add_req(n->rt.sched, &sr, &e);
+  st = pd_node_sched_prefill(n, m, r->sid, &p);
   free(bias);
   if (st != PD_OK) {
     pd_metric_add(g.m_errors_invalid, 1);
-    pd_node_send_error(n,
-                       st == PD_ERANGE ? PD__ERROR_CODE__ERROR_CODE_CONTEXT_TOO_LONG
-                                       : PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST,
-                       m->request_id, false, "%s", e.msg);
     free(r->dest_blocks);
     free(r);
     return;

@@ -223,18 +223,24 @@ static bool send_reserve(router *r, rsub *s, rnode *d) {
   return router_send_node(r, d, &env) == PD_OK;
 }
 
+/* A Prefill of choice s's prompt and generated tokens, its sampling and wire id. */
+static void prefill_init(Pd__Prefill *pf, rsub *s) {
+  const prompt *pr = sub_prompt(s);
+  pd__prefill__init(pf);
+  pf->request_id = s->wire_id;
+  pf->n_prompt_token_ids = (size_t)pr->n;
+  pf->prompt_token_ids = pr->ids;
+  pf->n_generated_token_ids = (size_t)s->n_gen;
+  pf->generated_token_ids = s->gen;
+  fill_sampling_ids(&pf->sampling, s);
+  pf->sample_index = s->sample_index;
+  pf->cache_salt = s->req->cache_salt_str;
+}
+
 static bool send_prefill(router *r, rsub *s, rnode *p, rnode *d) {
   const prompt *pr = sub_prompt(s);
   Pd__Prefill pf;
-  pd__prefill__init(&pf);
-  pf.request_id = s->wire_id;
-  pf.n_prompt_token_ids = (size_t)pr->n;
-  pf.prompt_token_ids = pr->ids;
-  pf.n_generated_token_ids = (size_t)s->n_gen;
-  pf.generated_token_ids = s->gen;
-  fill_sampling_ids(&pf.sampling, s);
-  pf.sample_index = s->sample_index;
-  pf.cache_salt = s->req->cache_salt_str;
+  prefill_init(&pf, s);
   Pd__KvDestination dest;
   Pd__KvGeometry g;
   if (d) {
@@ -280,15 +286,7 @@ static bool send_prefill(router *r, rsub *s, rnode *p, rnode *d) {
 static bool send_local(router *r, rsub *s, rnode *u) {
   const prompt *pr = sub_prompt(s);
   Pd__Prefill pf;
-  pd__prefill__init(&pf);
-  pf.request_id = s->wire_id;
-  pf.n_prompt_token_ids = (size_t)pr->n;
-  pf.prompt_token_ids = pr->ids;
-  pf.n_generated_token_ids = (size_t)s->n_gen;
-  pf.generated_token_ids = s->gen;
-  fill_sampling_ids(&pf.sampling, s);
-  pf.sample_index = s->sample_index;
-  pf.cache_salt = s->req->cache_salt_str;
+  prefill_init(&pf, s);
   pf.decode_here = true;
   Pd__Envelope env;
   pd_wire_envelope_init(&env);

@@ -802,3 +802,42 @@ void pd_node_send_first_token(pd_node *n, const char *id, const pd_sched_event *
   free(ptop);
   free(ptop_p);
 }
+
+pd_status pd_node_sampling(pd_node *n, const char *id, const Pd__SamplingParams *w,
+                           pd_sampling_params *p, pd_logit_bias **bias) {
+  const size_t nbias = w ? w->n_logit_bias : 0;
+  *bias = calloc(nbias ? nbias : 1, sizeof **bias);
+  if (!*bias) {
+    pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INTERNAL, id, true, "out of memory");
+    return PD_ENOMEM;
+  }
+  pd_err e = {0};
+  Pd__SamplingParams defaults = PD__SAMPLING_PARAMS__INIT;
+  pd_status st = pd_wire_sampling_params(w ? w : &defaults, p, *bias, nbias ? nbias : 1, &e);
+  if (st != PD_OK) {
+    free(*bias);
+    *bias = NULL;
+    pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST, id, false, "%s", e.msg);
+    return st;
+  }
+  p->n = 1; /* the router fans n out (sample_index) */
+  return PD_OK;
+}
+
+pd_status pd_node_sched_prefill(pd_node *n, const Pd__Prefill *m, uint64_t sid,
+                                const pd_sampling_params *p) {
+  pd_err e = {0};
+  pd_sched_req sr = {.id = sid, .prompt = m->prompt_token_ids,
+                     .n_prompt = (int)m->n_prompt_token_ids,
+                     .generated = m->generated_token_ids,
+                     .n_generated = (int)m->n_generated_token_ids, .params = p,
+                     .sample_index = m->sample_index,
+                     .cache_salt = pd_kv_cache_salt(m->cache_salt)};
+  pd_status st = pd_sched_add_req(n->rt.sched, &sr, &e);
+  if (st != PD_OK)
+    pd_node_send_error(n,
+                       st == PD_ERANGE ? PD__ERROR_CODE__ERROR_CODE_CONTEXT_TOO_LONG
+                                       : PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST,
+                       m->request_id, false, "%s", e.msg);
+  return st;
+}

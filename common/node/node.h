@@ -226,6 +226,17 @@ void pd_node_update_metrics(pd_node *n);
 void pd_node_geometry(const pd_node *n, Pd__KvGeometry *g);
 /* Converts pd_logprobs into a TokenLogprob whose `top` array is top_buf (holding n_top
  * entries of top_store). */
+/* Request id's sampling parameters from the wire (defaults when w is NULL), n = 1 (the router
+ * fans n out); *bias holds the logit bias p points into (free it after use). On failure the
+ * router gets the error (INTERNAL for PD_ENOMEM, else INVALID_REQUEST) and the status comes
+ * back. */
+pd_status pd_node_sampling(pd_node *n, const char *id, const Pd__SamplingParams *w,
+                           pd_sampling_params *p, pd_logit_bias **bias);
+/* Adds the prompt (and generated tokens) of Prefill m to the node's scheduler as request sid;
+ * on failure the router gets the error (CONTEXT_TOO_LONG or INVALID_REQUEST) and the status
+ * comes back. */
+pd_status pd_node_sched_prefill(pd_node *n, const Pd__Prefill *m, uint64_t sid,
+                                const pd_sampling_params *p);
 /* FirstToken for the router from the scheduler event of a sequence's first token of this
  * attempt (n_prompt: its prompt tokens): the token, its logprob when asked (written into lp, with
  * top_p / top_s [PD_SAMPLE_MAX_LOGPROBS] as room for the alternatives), the finish reason, the
