@@ -33,6 +33,10 @@ int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap) {
       {"max-seqs", PD_OPT_INT, &o->max_seqs, "N", "most sequences in one batch (256)", NULL},
       {"max-model-len", PD_OPT_INT, &o->max_model_len, "N",
        "longest context (default: the model's)", NULL},
+      {"decode-prefill-tokens", PD_OPT_INT, &o->decode_prefill_tokens, "N",
+       "the most prompt tokens a step takes while sequences decode, so that prefill chunks keep "
+       "decode steps short (0 = up to --max-batch-tokens, the default)",
+       NULL},
       {"no-prefix-cache", PD_OPT_BOOL, &o->no_prefix_cache, NULL, "disable prefix caching",
        NULL},
       {"enforce-eager", PD_OPT_BOOL, &o->enforce_eager, NULL,
@@ -57,7 +61,8 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
   if (o->block_size < 1 || o->block_size > 1024)
     return pd_err_set(e, PD_EINVAL, "--block-size must be in [1, 1024]");
   if (o->max_batch_tokens < 1 || o->max_seqs < 1 || o->kv_cache_tokens < 0 ||
-      o->kv_cache_mb < 0 || o->max_model_len < 0 || o->threads < 0)
+      o->kv_cache_mb < 0 || o->max_model_len < 0 || o->threads < 0 ||
+      o->decode_prefill_tokens < 0)
     return pd_err_set(e, PD_EINVAL,
                       "--max-batch-tokens and --max-seqs must be positive, the others not "
                       "negative");
@@ -149,7 +154,8 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
                         .salt = o->model_dir, .salt_len = strlen(o->model_dir)};
   rt->pool = pd_kv_pool_create(&po, e);
   if (!rt->pool) goto fail;
-  pd_sched_opts so = {.eos_ids = rt->eos, .n_eos = rt->n_eos};
+  pd_sched_opts so = {.eos_ids = rt->eos, .n_eos = rt->n_eos,
+                      .decode_prefill_tokens = o->decode_prefill_tokens};
   rt->sched = pd_sched_create(rt->eng, rt->pool, &so, on_event, user, e);
   if (!rt->sched) goto fail;
   return PD_OK;

@@ -1,6 +1,7 @@
 /* Continuous batching: see pd/sched.h for the policy. */
 #include "pd/sched.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -51,6 +52,7 @@ struct pd_sched {
   pd_sched_event_fn on_event;
   void *user;
   int max_batch_tokens, max_seqs, max_model_len, max_blocks, V;
+  int decode_prefill_tokens; /* > 0: prompt tokens a step takes while sequences decode */
   int32_t *eos;
   int n_eos;
   seq_list running, waiting, reserved;
@@ -127,6 +129,7 @@ pd_sched *pd_sched_create(pd_engine *eng, pd_kv_pool *pool, const pd_sched_opts 
   s->max_batch_tokens = o && o->max_batch_tokens > 0 ? o->max_batch_tokens : eo->max_batch_tokens;
   if (s->max_batch_tokens > eo->max_batch_tokens) s->max_batch_tokens = eo->max_batch_tokens;
   s->max_seqs = o && o->max_seqs > 0 ? o->max_seqs : eo->max_seqs;
+  s->decode_prefill_tokens = o && o->decode_prefill_tokens > 0 ? o->decode_prefill_tokens : 0;
   if (s->max_seqs > eo->max_seqs) s->max_seqs = eo->max_seqs;
   s->max_model_len = eo->max_model_len;
   s->max_blocks = (eo->max_model_len + eo->block_size - 1) / eo->block_size;
@@ -504,10 +507,24 @@ static int want(const sseq *q) {
 static pd_status schedule(pd_sched *s, int *n_sched, int *n_tok, pd_err *e) {
   int budget = s->max_batch_tokens, ns = 0, nt = 0;
   bool preempted = false;
+  /* prompt tokens this step may take: capped while sequences decode (decode_prefill_tokens) */
+  int pbudget = INT_MAX;
+  if (s->decode_prefill_tokens > 0)
+    for (int i = 0; i < s->running.n; i++)
+      if (want(s->running.v[i]) == 1) {
+        pbudget = s->decode_prefill_tokens;
+        break;
+      }
   for (int i = 0; i < s->running.n && budget > 0 && ns < s->max_seqs;) {
     sseq *q = s->running.v[i];
     int n = want(q);
+    const bool prompt = n > 1;
+    if (prompt && pbudget <= 0) { /* its next chunk waits for a later step */
+      i++;
+      continue;
+    }
     if (n > budget) n = budget;
+    if (prompt && n > pbudget) n = pbudget;
     PD_ASSERT(n > 0);
     bool scheduled = false;
     for (;;) {
@@ -527,14 +544,16 @@ static pd_status schedule(pd_sched *s, int *n_sched, int *n_tok, pd_err *e) {
     s->sched[ns++] = q;
     nt += n;
     budget -= n;
+    if (prompt) pbudget -= n;
     i++;
   }
-  while (!preempted && s->waiting.n > 0 && budget > 0 && ns < s->max_seqs &&
+  while (!preempted && s->waiting.n > 0 && budget > 0 && pbudget > 0 && ns < s->max_seqs &&
          s->running.n < s->max_seqs) {
     sseq *q = s->waiting.v[0];
     int hit = pd_kv_seq_prefix_hit(q->kv);
     int n = pd_kv_seq_num_tokens(q->kv) - hit;
     if (n > budget) n = budget;
+    if (n > pbudget) n = pbudget;
     int need = pd_kv_seq_blocks_needed(q->kv, n);
     if (need < 0 || need > pd_kv_pool_num_available(s->pool)) break;
     pd_status st = pd_kv_seq_allocate(q->kv, n, s->slots + nt, e);
@@ -554,6 +573,7 @@ static pd_status schedule(pd_sched *s, int *n_sched, int *n_tok, pd_err *e) {
     s->sched[ns++] = q;
     nt += n;
     budget -= n;
+    if (pbudget != INT_MAX) pbudget -= n;
   }
   *n_sched = ns;
   *n_tok = nt;

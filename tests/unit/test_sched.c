@@ -55,9 +55,12 @@ static void on_event(void *user, const pd_sched_event *ev) {
     CHECK(pd_sched_abort(c->sched, ev->id) == PD_OK);
 }
 
+static int g_decode_prefill; /* pd_runtime_opts.decode_prefill_tokens of open_rt */
+
 static void open_rt(pd_runtime *rt, ctx *c, int kv_tokens, int max_batch, bool prefix) {
   pd_runtime_opts o;
   pd_runtime_opts_default(&o);
+  o.decode_prefill_tokens = g_decode_prefill;
   o.model_dir = PD_TEST_DATA "/models/pycoder-12m";
   o.kv_cache_tokens = kv_tokens;
   o.max_batch_tokens = max_batch;
@@ -386,5 +389,42 @@ int main(void) {
     check_no_leak(&rt);
     pd_runtime_close(&rt);
   }
+  /* 10. decode_prefill_tokens: while a sequence decodes, a 300-token prompt enters in chunks of
+   * at most 32 tokens a step (the decode row beside them); alone, it takes one step; the
+   * greedy outputs are those of the uncapped runs */
+  for (int cap = 0; cap <= 32; cap += 32) {
+    g_decode_prefill = cap;
+    open_rt(&rt, &c, 64 * 1024, 512, false);
+    pd_sampling_params p = greedy(40);
+    REQUIRE(pd_sched_add(rt.sched, 0, prompt_of(1), 5, &p, &e) == PD_OK);
+    for (int k = 0; k < 3; k++) REQUIRE(pd_sched_step(rt.sched, &e) == PD_OK);
+    pd_sampling_params p2 = greedy(GEN);
+    REQUIRE(pd_sched_add(rt.sched, 1, prompt_of(2), 300, &p2, &e) == PD_OK);
+    pd_sched_stats a, b;
+    pd_sched_get_stats(rt.sched, &a);
+    REQUIRE(pd_sched_step(rt.sched, &e) == PD_OK);
+    pd_sched_get_stats(rt.sched, &b);
+    const uint64_t took = b.batched_tokens - a.batched_tokens;
+    CHECKF(took == (cap ? 1u + 32u : 1u + 300u), "cap %d: a step took %llu tokens", cap,
+           (unsigned long long)took);
+    int steps = 1;
+    while (c.o[1].n[0] == 0 && steps < 100) {
+      REQUIRE(pd_sched_step(rt.sched, &e) == PD_OK);
+      steps++;
+    }
+    CHECKF(steps == (cap ? 10 : 1), "cap %d: the prompt's first token after %d steps", cap, steps);
+    run_all(&rt);
+    static out ref[2];
+    if (!cap) {
+      ref[0] = c.o[0];
+      ref[1] = c.o[1];
+    } else {
+      compare_greedy(&ref[0], &c.o[0], 0, "decode-prefill cap");
+      compare_greedy(&ref[1], &c.o[1], 1, "decode-prefill cap");
+    }
+    check_no_leak(&rt);
+    pd_runtime_close(&rt);
+  }
+  g_decode_prefill = 0;
   return pd_test_finish("test_sched");
 }

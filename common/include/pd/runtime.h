@@ -26,6 +26,8 @@ typedef struct pd_runtime_opts {
   int max_batch_tokens; /* 2048 */
   int max_seqs;         /* 256 */
   int max_model_len;    /* 0 = the model's */
+  int decode_prefill_tokens; /* prompt tokens a step takes while sequences decode; 0 (default)
+                                = up to max_batch_tokens */
   bool no_prefix_cache;
   bool enforce_eager;   /* GPU: no graph replay of decode steps */
   bool no_device_sampling; /* GPU: sample on the host (copies every logits row back) */

@@ -39,6 +39,9 @@ typedef struct pd_sched pd_sched;
 typedef struct pd_sched_opts {
   int max_batch_tokens; /* tokens per forward (default: the engine's max_batch_tokens) */
   int max_seqs;         /* running sequences (default: the engine's max_seqs) */
+  int decode_prefill_tokens; /* > 0: the most prompt tokens a step takes while sequences decode
+                                (prefill chunks beside decode steps keep those steps short);
+                                <= 0: up to max_batch_tokens */
   const int32_t *eos_ids; /* end-of-text ids of the model (copied) */
   int n_eos;
 } pd_sched_opts;
