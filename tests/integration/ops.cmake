@@ -1,7 +1,8 @@
 # Operations tests (label integration): pdctl cluster / client / bench against real processes
 # on 127.0.0.1, and the deploy/ files (compose, Kubernetes, Dockerfiles, bundle.sh). Python 3
-# drives them (standard library only; test_deploy_files.py also wants PyYAML and skips without
-# it). Each test bounds every wait and stops every process it started.
+# drives them (standard library; test_deploy_files.py also PyYAML and kubernetes-validate from
+# tests/integration/requirements.txt, and fails without them). Each test bounds every wait and
+# stops every process it started.
 find_package(Python3 COMPONENTS Interpreter)
 if(NOT Python3_Interpreter_FOUND)
   message(STATUS "pdserve: Python 3 not found: the pdctl and deploy integration tests are skipped")

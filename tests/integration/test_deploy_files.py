@@ -19,6 +19,16 @@ except ImportError:  # PyPI: pyyaml (tests/integration/requirements.txt); Debian
     print("PyYAML is not installed: install tests/integration/requirements.txt (deploy/test.sh "
           "does)")
     sys.exit(1)
+try:
+    import kubernetes_validate
+except ImportError:  # PyPI: kubernetes-validate (tests/integration/requirements.txt)
+    print("kubernetes-validate is not installed: install tests/integration/requirements.txt "
+          "(deploy/test.sh does)")
+    sys.exit(1)
+
+# The Kubernetes API version the manifests are validated against (the schemas bundled with the
+# pinned kubernetes-validate), strictly: unknown fields are errors.
+K8S_VERSION = "1.37.0"
 
 ROLES = {"router": "pd-router", "prefill": "pd-prefill", "decode": "pd-decode"}
 # What makes each process a member of an authenticated cluster: files, never values
@@ -170,6 +180,15 @@ def check_k8s(repo, flags):
             rel = os.path.relpath(f, repo)
             check(isinstance(d, dict) and "apiVersion" in d and "kind" in d,
                   "%s: a document without apiVersion/kind" % rel)
+            if d.get("kind") != "Kustomization":  # (kustomize's own file, no API object)
+                try:
+                    kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+                except (kubernetes_validate.ValidationError,
+                        kubernetes_validate.SchemaNotFoundError,
+                        kubernetes_validate.InvalidSchemaError) as e:
+                    check(False, "%s: %s %s does not validate against Kubernetes %s: %s" %
+                          (rel, d.get("kind"), (d.get("metadata") or {}).get("name"),
+                           K8S_VERSION, getattr(e, "message", e)))
             if d.get("kind") == "Kustomization":
                 for r in d.get("resources", []):
                     check(os.path.exists(os.path.normpath(os.path.join(os.path.dirname(f), r))),
