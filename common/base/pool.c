@@ -2,7 +2,7 @@
  *
  * Decode runs ~60 small ops per token, so what matters is the time from pd_pool_run to every
  * worker being busy, and back. Workers spin on the job counter for a while after each job
- * (PD_CPU_SPIN_US, default 300 us; yielding the core now and then after the first 20 us) and only
+ * (PD_POOL_SPIN_US = 300 us by default, or the CPU backend's --cpu-spin-us; yielding the core now and then after the first 20 us) and only
  * then sleep on a condition variable; the caller wakes sleepers only when there are any, so
  * back-to-back ops cost a few cache-line transfers (well under a microsecond).
  *
@@ -132,13 +132,7 @@ static void wake_all(pd_pool *p) {
 }
 
 pd_pool *pd_pool_create(int n_threads, pd_err *e) {
-  int spin_us = 300;
-  const char *s = getenv("PD_CPU_SPIN_US");
-  if (s && *s) {
-    long us = strtol(s, NULL, 10);
-    if (us >= 0 && us <= 10000000) spin_us = (int)us;
-  }
-  return pd_pool_create_spin(n_threads, spin_us, e);
+  return pd_pool_create_spin(n_threads, PD_POOL_SPIN_US, e);
 }
 
 pd_pool *pd_pool_create_spin(int n_threads, int spin_us, pd_err *e) {

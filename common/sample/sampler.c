@@ -143,6 +143,10 @@ static inline __m128 exp_ps(__m128 x) {
 }
 #endif
 
+static atomic_bool g_portable; /* pd_sample_set_portable: the SSE2 kernels even with AVX2 */
+
+void pd_sample_set_portable(bool on) { atomic_store(&g_portable, on); }
+
 #if defined(PD_SAMPLE_SSE2) && defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define PD_SAMPLE_AVX2 1
@@ -154,12 +158,10 @@ static bool use_avx2(void) {
   int v = atomic_load_explicit(&g_avx2, memory_order_relaxed);
   if (v < 0) {
     __builtin_cpu_init();
-    /* PD_CPU_ISA=generic (docs/cluster.md): the portable kernels here too */
-    const char *isa = getenv("PD_CPU_ISA");
-    v = __builtin_cpu_supports("avx2") && !(isa && !strcmp(isa, "generic"));
+    v = __builtin_cpu_supports("avx2");
     atomic_store_explicit(&g_avx2, v, memory_order_relaxed);
   }
-  return v == 1;
+  return v == 1 && !atomic_load_explicit(&g_portable, memory_order_relaxed);
 }
 
 PD_AVX2_FN static inline __m256 exp8(__m256 x) {

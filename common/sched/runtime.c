@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "pd/backend_cuda.h"
+#include "pd/pool.h"
 
 void pd_runtime_opts_default(pd_runtime_opts *o) {
   memset(o, 0, sizeof *o);
@@ -14,12 +15,20 @@ void pd_runtime_opts_default(pd_runtime_opts *o) {
   o->device = "cpu";
   o->kv_cache_dtype = "auto";
   o->gpu_memory_utilization = 0.9;
+  o->cpu_spin_us = PD_POOL_SPIN_US;
 }
 
 int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap) {
   const pd_opt t[] = {
       {"device", PD_OPT_STR, &o->device, "DEV", "cpu (default) or cuda[:N]", NULL},
       {"threads", PD_OPT_INT, &o->threads, "N", "CPU threads (0 = all cores)", NULL},
+      {"cpu-isa", PD_OPT_STR, &o->cpu_isa, "ISA",
+       "CPU: at most this kernel family, avx512, avx2 or generic (default: the best the CPU "
+       "has; output bits are the same only within one family; generic also keeps the "
+       "sampler on SSE2)", NULL},
+      {"cpu-spin-us", PD_OPT_INT, &o->cpu_spin_us, "US",
+       "CPU: microseconds a worker thread spins for new work before it sleeps (300; 0 = sleep "
+       "at once, for machines shared with other busy processes)", NULL},
       {"kv-cache-dtype", PD_OPT_STR, &o->kv_cache_dtype, "T",
        "auto (f32 on CPU, bf16 on GPU), f32, bf16, f16", NULL},
       {"gpu-memory-utilization", PD_OPT_DOUBLE, &o->gpu_memory_utilization, "F",
@@ -62,7 +71,7 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
     return pd_err_set(e, PD_EINVAL, "--block-size must be in [1, 1024]");
   if (o->max_batch_tokens < 1 || o->max_seqs < 1 || o->kv_cache_tokens < 0 ||
       o->kv_cache_mb < 0 || o->max_model_len < 0 || o->threads < 0 ||
-      o->decode_prefill_tokens < 0)
+      o->decode_prefill_tokens < 0 || o->cpu_spin_us < 0 || o->cpu_spin_us > 10000000)
     return pd_err_set(e, PD_EINVAL,
                       "--max-batch-tokens and --max-seqs must be positive, the others not "
                       "negative");
@@ -79,7 +88,10 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
 
   /* backend */
   bool gpu = false;
-  pd_backend_opts bo = {.n_threads = o->threads, .profile = o->profile_gpu};
+  pd_backend_opts bo = {.n_threads = o->threads, .profile = o->profile_gpu,
+                        .cpu_isa = o->cpu_isa,
+                        .cpu_spin_us = o->cpu_spin_us > 0 ? o->cpu_spin_us : -1};
+  pd_sample_set_portable(o->cpu_isa && !strcmp(o->cpu_isa, "generic"));
   rt->be = pd_backend_open(o->device, &bo, &gpu, e);
   if (!rt->be) goto fail;
   pd_dtype kv_dt = gpu ? PD_DTYPE_BF16 : PD_DTYPE_F32;

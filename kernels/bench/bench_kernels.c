@@ -6,8 +6,8 @@
  * the thread pool's per-op dispatch overhead, matmul GFLOP/s for the decode (M = 1) and prefill
  * (M = 512) shapes of the bundled pycoder-12m model (bf16 weights), a sweep of M for the GEMV/GEMM
  * crossover, attention times, and a whole decode step / prefill chunk of that model built from
- * backend ops (what the engine's forward pass costs in kernels alone). PD_CPU_ISA picks the kernel
- * family as in the library. Each figure is the best of several timed batches (the machine may be
+ * backend ops (what the engine's forward pass costs in kernels alone). -i ISA caps the kernel
+ * family as --cpu-isa does. Each figure is the best of several timed batches (the machine may be
  * shared). -q runs shorter batches; -s runs one section (peak, pool, matmul, sweep, attn, model);
  * "batch" covers batched decode (M = 17..256 sequences, 1 token each) for matmul and attention;
  * -c times with the process CPU clock instead of the wall clock, which makes -t 1 figures
@@ -478,9 +478,12 @@ static void section_model(pd_backend *be) {
 
 int main(int argc, char **argv) {
   int threads = 0;
+  const char *isa = NULL;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "-t") == 0 && i + 1 < argc)
       threads = atoi(argv[++i]);
+    else if (strcmp(argv[i], "-i") == 0 && i + 1 < argc)
+      isa = argv[++i];
     else if (strcmp(argv[i], "-q") == 0)
       g_batch_s = 0.01;
     else if (strcmp(argv[i], "-c") == 0)
@@ -488,13 +491,14 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[i], "-s") == 0 && i + 1 < argc)
       g_only = argv[++i];
     else {
-      fprintf(stderr, "usage: %s [-t THREADS] [-q] [-c] [-s peak|pool|matmul|sweep|batch|attn|model]\n",
+      fprintf(stderr, "usage: %s [-t THREADS] [-i avx512|avx2|generic] [-q] [-c] "
+                      "[-s peak|pool|matmul|sweep|batch|attn|model]\n",
               argv[0]);
       return 2;
     }
   }
   pd_err e = {0};
-  pd_backend_opts o = {.n_threads = threads};
+  pd_backend_opts o = {.n_threads = threads, .cpu_isa = isa};
   pd_backend *be = pd_backend_cpu_create(&o, &e);
   if (!be) {
     fprintf(stderr, "cpu backend: %s\n", e.msg);

@@ -1,7 +1,7 @@
 /* The CPU backend: fills the ops table of backend.h.
  *
  * This file holds no arithmetic. It checks arguments, picks the kernel family once at create
- * (CPUID; PD_CPU_ISA=avx512|avx2|generic forces a lower level), splits each op into tasks for the
+ * (CPUID; pd_backend_opts.cpu_isa = avx512|avx2|generic forces a lower level), splits each op into tasks for the
  * thread pool (or runs it inline when it is too small to be worth a dispatch), and owns the
  * memory the kernels use: per-thread scratch, caller-side scratch and the RoPE cos/sin table.
  * Every op completes before it returns. A backend is used by one thread at a time. */
@@ -634,8 +634,8 @@ static int online_cores(void) {
   return n > 0 ? (int)n : 1;
 }
 
-/* The best kernel family this CPU runs, lowered by PD_CPU_ISA. */
-static const pd_cpu_kern *pick_kernels(pd_err *e) {
+/* The best kernel family this CPU runs, lowered to isa (NULL or "": no cap). */
+static const pd_cpu_kern *pick_kernels(const char *isa, pd_err *e) {
   int level = 0; /* 0 generic, 1 avx2, 2 avx512 */
 #if PD_CPU_X86
   __builtin_cpu_init();
@@ -649,17 +649,16 @@ static const pd_cpu_kern *pick_kernels(pd_err *e) {
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     level = 2;
 #endif
-  const char *env = getenv("PD_CPU_ISA");
-  if (env && *env) {
+  if (isa && *isa) {
     int want;
-    if (strcmp(env, "avx512") == 0)
+    if (strcmp(isa, "avx512") == 0)
       want = 2;
-    else if (strcmp(env, "avx2") == 0)
+    else if (strcmp(isa, "avx2") == 0)
       want = 1;
-    else if (strcmp(env, "generic") == 0)
+    else if (strcmp(isa, "generic") == 0)
       want = 0;
     else {
-      pd_err_set(e, PD_EINVAL, "PD_CPU_ISA='%s': expected avx512, avx2 or generic", env);
+      pd_err_set(e, PD_EINVAL, "--cpu-isa '%s': expected avx512, avx2 or generic", isa);
       return NULL;
     }
     if (want < level) level = want;
@@ -673,7 +672,7 @@ static const pd_cpu_kern *pick_kernels(pd_err *e) {
 
 pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e) {
   int nt = o && o->n_threads > 0 ? o->n_threads : online_cores();
-  const pd_cpu_kern *k = pick_kernels(e);
+  const pd_cpu_kern *k = pick_kernels(o ? o->cpu_isa : NULL, e);
   if (!k) return NULL;
   pd_backend *be = calloc(1, sizeof *be);
   cpu_impl *c = calloc(1, sizeof *c);
@@ -719,7 +718,9 @@ pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e) {
     pd_err_set(e, PD_ENOMEM, "cpu backend: out of memory");
     return NULL;
   }
-  c->pool = pd_pool_create(nt, e);
+  const int spin = !o || o->cpu_spin_us == 0 ? PD_POOL_SPIN_US : o->cpu_spin_us < 0 ? 0
+                                                                   : o->cpu_spin_us;
+  c->pool = pd_pool_create_spin(nt, spin, e);
   if (!c->pool) {
     cpu_destroy(be);
     return NULL;

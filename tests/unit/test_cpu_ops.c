@@ -1,7 +1,7 @@
 /* Every op of the CPU backend against a naive double-precision reference written here, on awkward
  * sizes (odd K and N, one row, tails, K deeper than a GEMM block, ragged batches, shuffled pages,
  * block sizes 1/7/16, GQA ratios 1/2/3/6, sliding windows, 1000-token prompts with a cached
- * prefix), for every kernel family this CPU can run (PD_CPU_ISA=generic|avx2|avx512) and for 1
+ * prefix), for every kernel family this CPU can run (pd_backend_opts.cpu_isa = generic|avx2|avx512) and for 1
  * and 3 threads (3 > cores here, so the pool's hand-off is exercised too).
  *
  * Tolerances: float32 accumulation against a double reference, relative to the magnitude the
@@ -79,10 +79,9 @@ static void open_backends(void) {
   static const char *isas[3] = {"generic", "avx2", "avx512"};
   static const int threads[2] = {1, 3};
   for (int i = 0; i < 3; i++) {
-    setenv("PD_CPU_ISA", isas[i], 1);
     for (int t = 0; t < 2; t++) {
       pd_err e = {0};
-      pd_backend_opts o = {.n_threads = threads[t]};
+      pd_backend_opts o = {.n_threads = threads[t], .cpu_isa = isas[i]};
       pd_backend *be = pd_backend_cpu_create(&o, &e);
       if (!be) {
         fprintf(stderr, "pd_backend_cpu_create(%s): %s\n", isas[i], e.msg);
@@ -98,7 +97,6 @@ static void open_backends(void) {
       g_nbe++;
     }
   }
-  unsetenv("PD_CPU_ISA");
   printf("backends:");
   for (int i = 0; i < g_nbe; i++) printf(" %s", g_names[i]);
   printf("\n");
@@ -107,10 +105,9 @@ static void open_backends(void) {
 static void test_create_errors(void) {
   g_cfg = "create";
   pd_err e = {0};
-  setenv("PD_CPU_ISA", "sse9", 1);
-  pd_backend *be = pd_backend_cpu_create(NULL, &e);
-  CHECK(be == NULL && e.code == PD_EINVAL, "bad PD_CPU_ISA must fail with EINVAL");
-  unsetenv("PD_CPU_ISA");
+  pd_backend_opts bad_isa = {.cpu_isa = "sse9"};
+  pd_backend *be = pd_backend_cpu_create(&bad_isa, &e);
+  CHECK(be == NULL && e.code == PD_EINVAL, "bad cpu_isa must fail with EINVAL");
   pd_backend_opts o = {.n_threads = -5};
   be = pd_backend_cpu_create(&o, &e); /* <= 0 means all cores */
   CHECK(be != NULL, "n_threads <= 0 must mean all cores");

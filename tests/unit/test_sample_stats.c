@@ -499,9 +499,11 @@ static void spec_greedy_and_edges(pd_sample_ws *ws) {
   pd_sampler_free(b);
 }
 
-/* Argument "quick": a quarter of the draws (the same checks, for a second SIMD path). */
+/* Argument "quick": a quarter of the draws (the same checks, for a second SIMD path); then
+ * "portable": the SSE2 kernels (pd_sample_set_portable) even where the CPU has AVX2. */
 int main(int argc, char **argv) {
   pd_err e = {0};
+  if (argc > 2 && strcmp(argv[2], "portable") == 0) pd_sample_set_portable(true);
   pd_sample_ws *ws = pd_sample_ws_new(64, &e);
   const long N = argc > 1 && strcmp(argv[1], "quick") == 0 ? 50000 : 200000;
   naive_cfg base = {.T = 1.0, .top_k = 0, .top_p = 1, .min_p = 0, .rep = 1};

@@ -20,6 +20,8 @@ typedef struct pd_runtime_opts {
   const char *kv_cache_dtype; /* "auto" (f32 on the CPU, bf16 on GPUs), "f32", "bf16", "f16" */
   double gpu_memory_utilization; /* GPU: fraction of device memory for weights + KV (0.9) */
   int threads;          /* CPU threads, 0 = all cores */
+  const char *cpu_isa;  /* CPU kernel family cap: avx512, avx2, generic; NULL = the best */
+  int cpu_spin_us;      /* CPU workers' spin before sleeping (300; 0 = sleep at once) */
   int block_size;       /* 16 */
   int kv_cache_tokens;  /* KV capacity in tokens; 0 = derive from kv_cache_mb */
   int kv_cache_mb;      /* CPU: KV budget in MiB when kv_cache_tokens is 0 (default 512) */

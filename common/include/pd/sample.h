@@ -61,6 +61,10 @@ extern "C" {
 pd_status pd_logprobs_compute(const float *logits, int32_t vocab, int32_t token, int32_t n_top,
                               pd_logprobs *out, pd_err *e);
 
+/* Process-wide: the sampler's portable (SSE2) kernels even where AVX2 is there (--cpu-isa
+ * generic), so that machines of different families sample the same bits. */
+void pd_sample_set_portable(bool on);
+
 /* ---- workspace (one per sampling thread) ---- */
 
 typedef struct pd_sample_ws pd_sample_ws;

@@ -356,10 +356,14 @@ typedef struct pd_backend_opts {
   int device;    /* CUDA: device ordinal */
   bool profile;  /* CUDA: time every op and graph replay with GPU events; the table goes to stderr
                     when the backend is destroyed (--profile-gpu) */
+  const char *cpu_isa; /* CPU: "avx512", "avx2" or "generic" caps the kernel family (--cpu-isa);
+                          NULL or "": the best the CPU has */
+  int cpu_spin_us;     /* CPU: microseconds a worker spins for work before it sleeps
+                          (--cpu-spin-us); 0: the default, 300; negative: it sleeps at once */
 } pd_backend_opts;
 
 /* The CPU backend, always built. Picks SIMD kernels at run time by what the CPU supports
- * (AVX-512 / AVX2+FMA / portable C). PD_CPU_ISA=avx512|avx2|generic forces a lower level. */
+ * (AVX-512 / AVX2+FMA / portable C); o->cpu_isa caps the level. */
 pd_backend *pd_backend_cpu_create(const pd_backend_opts *o, pd_err *e);
 /* The backend a device name selects: NULL or "cpu" the CPU backend, "cuda" or "cuda:N" the
  * CUDA backend on device N (o->device is ignored then). PD_EINVAL names the accepted forms for

@@ -2,8 +2,8 @@
  * (kernels/cpu/cpu_pool.c). The CPU backend runs its ops on one; the nodes' parallel CRC-32
  * (pd_crcpool) on another.
  *
- * Workers spin on the job counter for a while after each job (300 us by default, PD_CPU_SPIN_US,
- * or pd_pool_create_spin's), then sleep on a condition variable; tasks are handed out dynamically,
+ * Workers spin on the job counter for a while after each job (PD_POOL_SPIN_US by default, or
+ * pd_pool_create_spin's), then sleep on a condition variable; tasks are handed out dynamically,
  * so a descheduled worker never holds the caller up. */
 #ifndef PD_POOL_H
 #define PD_POOL_H
@@ -15,6 +15,7 @@ extern "C" {
 #endif
 
 typedef struct pd_pool pd_pool;
+#define PD_POOL_SPIN_US 300 /* workers' default spin after a job, microseconds */
 /* One task of a parallel job. task in [0, n_tasks); thread in [0, pd_pool_size) names the
  * thread running it (0 = the caller) so a task can use that thread's scratch memory. */
 typedef void (*pd_pool_fn)(void *ctx, int task, int thread);
