@@ -263,6 +263,11 @@ int api_req_prepare(router *r, rreq *q, char *msg, size_t cap, const char **code
         ctx, longest + (p->max_tokens > 0 ? p->max_tokens : 0), longest,
         p->max_tokens > 0 ? p->max_tokens : 0);
   }
+  /* (max_tokens decided here from the context: min_tokens must fit it, as when it is given) */
+  if (p->min_tokens > p->max_tokens)
+    return refuse_param(q, msg, cap, 400, "min_tokens",
+                        "min_tokens must be less than or equal to max_tokens=%d, got %d",
+                        p->max_tokens, p->min_tokens);
   /* echo of a prompt given as token ids: its text, decoded once */
   for (int i = 0; q->echo && i < q->n_prompts; i++) {
     prompt *pr = &q->prompts[i];

@@ -88,7 +88,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   } else {
     pd_sampling_params one = q->op.p;
     one.n = 1;
-    if (one.max_tokens < 0) one.max_tokens = 1; /* chat: decided once the prompt is known */
+    /* chat: decided once the prompt is known (the context left), and refused then when
+     * min_tokens does not fit it; here any value min_tokens fits */
+    if (one.max_tokens < 0) one.max_tokens = one.min_tokens > 1 ? one.min_tokens : 1;
     const char *param = NULL;
     pd_err e = {0};
     FUZZ_CHECK(pd_oai_params_validate(&one, r->vocab_size, &param, &e) == PD_OK);
