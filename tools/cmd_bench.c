@@ -706,9 +706,39 @@ static char *served_model(const char *url, const char *api_key, int timeout_ms, 
   return name;
 }
 
+/* --save-prompts: the requests as `pdctl generate --input` lines, in order. */
+static int write_generate_input(const char *path, const bench *b) {
+  FILE *f = fopen(path, "w");
+  if (!f) return pdctl_fail("--save-prompts: %s: %s", path, strerror(errno));
+  for (int i = 0; i < b->n; i++) {
+    const bprompt *d = &b->prompts[i];
+    cJSON *o = cJSON_CreateObject();
+    if (d->ids) {
+      cJSON *a = cJSON_AddArrayToObject(o, "prompt_ids");
+      for (size_t k = 0; k < d->n_ids; k++) cJSON_AddItemToArray(a, cJSON_CreateNumber(d->ids[k]));
+    } else {
+      cJSON_AddStringToObject(o, "prompt", d->text);
+    }
+    cJSON_AddNumberToObject(o, "max_tokens", d->out_len);
+    cJSON_AddBoolToObject(o, "ignore_eos", 1);
+    if (b->temperature > 0) cJSON_AddNumberToObject(o, "temperature", b->temperature);
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (!s || fputs(s, f) < 0 || fputc('\n', f) < 0) {
+      free(s);
+      fclose(f);
+      return pdctl_fail("--save-prompts: cannot write %s", path);
+    }
+    free(s);
+  }
+  if (fclose(f) != 0) return pdctl_fail("--save-prompts: cannot write %s", path);
+  return 0;
+}
+
 int cmd_bench(int argc, char **argv) {
   const char *url = NULL, *prompts_file = NULL, *svg = NULL, *endpoint = "completions",
-             *model = NULL, *tok_dir = NULL, *api_key_arg = NULL, *api_key_file = NULL;
+             *model = NULL, *tok_dir = NULL, *api_key_arg = NULL, *api_key_file = NULL,
+             *save_prompts = NULL;
   int num = 64, in_len = 128, out_len = 64, conc = 0, vocab = 1000;
   double rate = INFINITY, temperature = 0.0, timeout_s = 600;
   unsigned long long seed = 0;
@@ -725,6 +755,10 @@ int cmd_bench(int argc, char **argv) {
       {"output-len", PD_OPT_INT, &out_len, "O", "output tokens per request (default 64)", NULL},
       {"prompts-file", PD_OPT_STR, &prompts_file, "FILE",
        "JSON Lines of prompts (string, or {\"prompt\": text|[ids], \"output_len\": n})", NULL},
+      {"save-prompts", PD_OPT_STR, &save_prompts, "FILE",
+       "write the requests as `pdctl generate --input` lines (prompt_ids, max_tokens, "
+       "ignore_eos) and exit without sending them: the same prompts offline",
+       NULL},
       {"rate", PD_OPT_DOUBLE, &rate, "R",
        "Poisson arrivals of R requests/s (default: all at once)", &rate_seen},
       {"concurrency", PD_OPT_INT, &conc, "C", "at most C requests in flight (default: no cap)",
@@ -757,10 +791,10 @@ int cmd_bench(int argc, char **argv) {
     pd_opts_usage(stdout, opts);
     return 0;
   }
-  if (!url) return pdctl_fail("bench needs --url http://HOST:PORT");
+  if (!url && !save_prompts) return pdctl_fail("bench needs --url http://HOST:PORT");
   bench b;
   memset(&b, 0, sizeof b);
-  if (strncasecmp(url, "http://", 7) && strncasecmp(url, "https://", 8))
+  if (url && strncasecmp(url, "http://", 7) && strncasecmp(url, "https://", 8))
     return pdctl_fail("--url: '%s': only http:// and https:// URLs are supported", url);
   b.url = url;
   if (strcmp(endpoint, "completions") && strcmp(endpoint, "chat"))
@@ -855,6 +889,13 @@ int cmd_bench(int argc, char **argv) {
       rc = pdctl_fail("out of memory");
       goto out;
     }
+  }
+  if (save_prompts) {
+    rc = write_generate_input(save_prompts, &b);
+    goto out;
+  }
+  for (int i = 0; i < num; i++) {
+    bprompt *d = &b.prompts[i];
     if (b.chat && !d->text) { /* chat needs text: decode the ids, or make words */
       if (tok) {
         size_t tl = 0;

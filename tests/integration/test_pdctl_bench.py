@@ -59,6 +59,26 @@ def scenario(args):
     assert dead.returncode == 1, dead
     assert "test request failed" in dead.stderr or "models" in dead.stderr, dead.stderr
 
+    # --save-prompts: the same random prompts as `pdctl generate --input` lines, nothing sent
+    # (no --url); generate runs them offline to the exact output length
+    saved = os.path.join(c.tmp, "prompts.jsonl")
+    s = run(args, ["bench", "--save-prompts", saved, "--num-prompts", "5", "--input-len", "12",
+                   "--output-len", "3", "--seed", "7", "--tokenizer", args.model], 60, check=0)
+    lines = [json.loads(x) for x in open(saved)]
+    assert len(lines) == 5, lines
+    for x in lines:
+        assert len(x["prompt_ids"]) == 12 and x["max_tokens"] == 3 and x["ignore_eos"] is True, x
+    assert len({tuple(x["prompt_ids"]) for x in lines}) == 5, "prompts should differ"
+    again = os.path.join(c.tmp, "again.jsonl")
+    run(args, ["bench", "--save-prompts", again, "--num-prompts", "5", "--input-len", "12",
+               "--output-len", "3", "--seed", "7", "--tokenizer", args.model], 60, check=0)
+    assert open(again).read() == open(saved).read(), "the same seed gives the same prompts"
+    out = os.path.join(c.tmp, "offline.jsonl")
+    run(args, ["generate", "--model", args.model, "--input", saved, "--output", out, "--quiet"],
+        240, check=0)
+    res = [json.loads(x) for x in open(out)]
+    assert len(res) == 5 and all(len(r["output_ids"]) == 3 for r in res), res
+
 
 if __name__ == "__main__":
     main(scenario)
