@@ -129,6 +129,11 @@ static void fill_load(pd_node *n, Pd__Load *l) {
   l->reserved_blocks = reserved < l->total_blocks ? reserved : l->total_blocks;
   l->running_seqs = (uint32_t)s.running;
   l->waiting_seqs = (uint32_t)s.waiting + landing;
+  if (s.spec_verified) { /* tokens per verification since start */
+    double emitted = 0;
+    for (int j = 0; j < PD_SPEC_MAX_K + 2; j++) emitted += (double)j * s.spec_emitted_hist[j];
+    l->spec_acceptance = (float)(emitted / (double)s.spec_verified);
+  }
   pd_metric_set(g.m_reserved, reserved);
 }
 

@@ -13,6 +13,7 @@ static void collect(pd_metrics *m, void *ud) {
   pd_metric_set(r->m.preparing, api_prep_in_flight(r));
   pd_metric_set(r->m.nodes_prefill, registry_count(r, PD__ROLE__ROLE_PREFILL, true));
   pd_metric_set(r->m.nodes_decode, registry_count(r, PD__ROLE__ROLE_DECODE, true));
+  pd_metric_set(r->m.spec_acceptance, registry_spec_acceptance(r));
   if (r->http) {
     pd_http_stats st;
     pd_http_server_stats(r->http, &st);
@@ -72,6 +73,10 @@ void rmetrics_init(router *r) {
                                         "role=\"prefill\"");
   r->m.nodes_decode = pd_metrics_gauge(m, "pd_router_nodes", "Usable nodes by role.",
                                        "role=\"decode\"");
+  r->m.spec_acceptance = pd_metrics_gauge(
+      m, "pd_router_spec_acceptance_length",
+      "Tokens per speculative verification (accepted proposals + 1), mean over the decode nodes "
+      "that speculate, since their start; 0 when none does.", NULL);
   r->m.http_conns = pd_metrics_gauge(m, "pd_router_http_connections", "Open HTTP connections.",
                                      NULL);
   r->m.http_evicted = pd_metrics_counter(m, "pd_router_http_connections_evicted_total",

@@ -139,6 +139,7 @@ static void load_update(rnode *n, const Pd__Load *l) {
   n->running = l->running_seqs;
   n->waiting = l->waiting_seqs;
   n->reserved_blocks = l->reserved_blocks;
+  n->spec_acceptance = l->spec_acceptance;
   n->est_free_blocks = l->free_blocks;
   n->est_queued_tokens = (int64_t)l->queued_prompt_tokens;
 }
@@ -442,6 +443,18 @@ int registry_count_unified(router *r) {
         usable(r, r->nodes[i]))
       c++;
   return c;
+}
+
+double registry_spec_acceptance(router *r) {
+  double sum = 0;
+  int c = 0;
+  for (int i = 0; i < r->n_nodes; i++) {
+    rnode *n = r->nodes[i];
+    if (n->role != PD__ROLE__ROLE_DECODE || !usable(r, n) || !(n->spec_acceptance > 0)) continue;
+    sum += n->spec_acceptance;
+    c++;
+  }
+  return c ? sum / c : 0;
 }
 
 int64_t registry_min_prefill_queue(router *r) {

@@ -89,6 +89,7 @@ struct rnode {
   /* load: the last heartbeat, and what the router sent since */
   uint64_t queued_tokens;
   uint32_t free_blocks, running, waiting, reserved_blocks;
+  float spec_acceptance; /* tokens per speculative verification (0: none reported) */
   int64_t est_free_blocks;   /* free_blocks minus what was reserved since the heartbeat */
   int64_t est_queued_tokens; /* queued_tokens plus what was sent since the heartbeat */
   int n_subs;                /* choices currently using this node */
@@ -121,6 +122,9 @@ void registry_note_prefill(router *r, rnode *p, const int32_t *ids, int n, uint6
 rnode *registry_choose_unified(router *r, int n_ctx, const int32_t *ids, int n,
                                uint64_t cache_salt, int *hit_tokens);
 int registry_count_unified(router *r);
+/* Mean tokens per speculative verification over the usable decode nodes that report one;
+ * 0 when none does. */
+double registry_spec_acceptance(router *r);
 /* The fewest prompt tokens queued on a usable prefill node, -1 when there is none. */
 int64_t registry_min_prefill_queue(router *r);
 /* Effective context length: the router's, capped by every registered node's. */
@@ -392,7 +396,7 @@ void zapi_forget(router *r, rreq *q); /* drops q from the client-id map */
 typedef struct router_metrics {
   pd_metrics *reg;
   pd_metric *ttft, *itl, *e2e, *queue_len, *running, *gen_tokens, *prompt_tokens, *migrations,
-      *retries, *prefill_local, *prefill_remote, *nodes_prefill, *nodes_decode, *http_conns, *cached_tokens, *live, *preparing,
+      *retries, *prefill_local, *prefill_remote, *nodes_prefill, *nodes_decode, *spec_acceptance, *http_conns, *cached_tokens, *live, *preparing,
       *http_evicted, *http_refused;
 } router_metrics;
 

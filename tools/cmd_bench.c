@@ -706,6 +706,21 @@ static char *served_model(const char *url, const char *api_key, int timeout_ms, 
   return name;
 }
 
+/* The router's pd_router_spec_acceptance_length gauge (tokens per speculative verification of
+ * its decode nodes), or 0 when it has none or cannot be read. */
+static double server_spec_acceptance(const char *url, const char *api_key) {
+  char *body = NULL;
+  pd_err e = {0};
+  double v = 0;
+  if (pdctl_http(url, "GET", "/metrics", NULL, api_key, 5000, &body, NULL, &e) == 200 && body) {
+    const char *k = "\npd_router_spec_acceptance_length ";
+    const char *p = strstr(body, k);
+    if (p) v = strtod(p + strlen(k), NULL);
+  }
+  free(body);
+  return v > 0 && isfinite(v) ? v : 0;
+}
+
 /* --save-prompts: the requests as `pdctl generate --input` lines, in order. */
 static int write_generate_input(const char *path, const bench *b) {
   FILE *f = fopen(path, "w");
@@ -1007,6 +1022,7 @@ int cmd_bench(int argc, char **argv) {
     if (ct > 1) tpot[n_tpot++] = (r->e2e - r->ttft) / (ct - 1);
     for (size_t k = 0; k < r->n_itl; k++) itl[n_itl++] = r->itl[k];
   }
+  const double spec_len = server_spec_acceptance(url, api_key);
   dist dt = summarise(ttft, n_ttft, 1e3), dp = summarise(tpot, n_tpot, 1e3),
        di = summarise(itl, n_itl, 1e3), de = summarise(e2e, n_e2e, 1e3);
   double req_tp = ok / wall, in_tp = (double)in_tok / wall, out_tp = (double)out_tok / wall;
@@ -1040,6 +1056,7 @@ int cmd_bench(int argc, char **argv) {
     cJSON_AddNumberToObject(o, "input_throughput", in_tp);
     cJSON_AddNumberToObject(o, "output_throughput", out_tp);
     cJSON_AddNumberToObject(o, "total_token_throughput", in_tp + out_tp);
+    if (spec_len > 0) cJSON_AddNumberToObject(o, "spec_acceptance_length", spec_len);
     cJSON_AddItemToObject(o, "ttft_ms", dist_json(&dt));
     cJSON_AddItemToObject(o, "tpot_ms", dist_json(&dp));
     cJSON_AddItemToObject(o, "itl_ms", dist_json(&di));
@@ -1067,6 +1084,7 @@ int cmd_bench(int argc, char **argv) {
     printf("%-34s %.2f\n", "Input token throughput (tok/s):", in_tp);
     printf("%-34s %.2f\n", "Output token throughput (tok/s):", out_tp);
     printf("%-34s %.2f\n", "Total token throughput (tok/s):", in_tp + out_tp);
+    if (spec_len > 0) printf("%-34s %.2f\n", "Mean acceptance length (server):", spec_len);
     printf("---------------------------------------------------------------\n");
     printf("%-10s %10s %10s %10s %10s %10s\n", "(ms)", "mean", "p50", "p90", "p99", "max");
     const dist *ds[4] = {&dt, &dp, &di, &de};

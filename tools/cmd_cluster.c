@@ -421,15 +421,26 @@ static int cluster_up(int argc, char **argv) {
   const char *model = NULL, *draft = NULL, *run_dir = NULL, *bin_dir = NULL, *host = "127.0.0.1",
              *router_args = NULL, *prefill_args = NULL, *decode_args = NULL, *api_key = NULL,
              *name = NULL, *device = NULL, *prefill_device = NULL, *decode_device = NULL,
-             *kv_dtype = NULL, *api_key_file = NULL, *secrets_dir = NULL;
+             *kv_dtype = NULL, *api_key_file = NULL, *secrets_dir = NULL, *spec_method = NULL,
+             *spec_adaptive = NULL;
+  int spec_k = 0, ngram_min = 0, ngram_max = 0;
   int n_prefill = -1, n_decode = -1, n_unified = -1, port = 8000, restart_limit = 5;
   double gpu_util = 0, restart_window = 60;
   double timeout_s = 180;
   bool help = false, keep = false, quiet = false, insecure = false;
   pd_opt opts[] = {
       {"model", PD_OPT_STR, &model, "DIR", "model folder (every process)", NULL},
-      {"draft-model", PD_OPT_STR, &draft, "DIR",
-       "draft model for speculative decoding (prefill and decode nodes)", NULL},
+      {"speculative-model", PD_OPT_STR, &draft, "DIR",
+       "speculative decoding with this draft model on every decode and unified node", NULL},
+      {"speculative-method", PD_OPT_STR, &spec_method, "M",
+       "draft (the default with --speculative-model) or ngram, on every decode and unified node",
+       NULL},
+      {"num-speculative-tokens", PD_OPT_INT, &spec_k, "K",
+       "speculative decoding: most tokens proposed per step (the nodes' default: 4)", NULL},
+      {"speculative-adaptive", PD_OPT_STR, &spec_adaptive, "on|off",
+       "speculative decoding: adapt the proposals to acceptance and step times (on)", NULL},
+      {"ngram-min", PD_OPT_INT, &ngram_min, "N", "n-gram speculation: shortest match", NULL},
+      {"ngram-max", PD_OPT_INT, &ngram_max, "N", "n-gram speculation: longest match", NULL},
       {"prefill", PD_OPT_INT, &n_prefill, "P",
        "prefill nodes (default 1; 0 with --decode D: D unified nodes)", NULL},
       {"decode", PD_OPT_INT, &n_decode, "D", "decode nodes (default 1)", NULL},
@@ -486,7 +497,7 @@ static int cluster_up(int argc, char **argv) {
   pd_err e = {0};
   if (pd_opts_parse(opts, dd, argv, 3, &e) != PD_OK) return pdctl_fail("%s", e.msg);
   if (help) {
-    fputs("usage: pdctl cluster up --model DIR [--draft-model DIR] --prefill P --decode D "
+    fputs("usage: pdctl cluster up --model DIR [--speculative-model DIR] --prefill P --decode D "
           "--port PORT --run-dir DIR [-- node flags...]\n"
           "Flags after -- go to every prefill and decode node (e.g. -- --threads 1).\n"
           "GPU nodes: --device cuda:0 (or --prefill-device / --decode-device) and "
@@ -535,7 +546,7 @@ static int cluster_up(int argc, char **argv) {
   if (stat(model, &sb) != 0 || !S_ISDIR(sb.st_mode))
     return pdctl_fail("--model %s: not a folder", model);
   if (draft && (stat(draft, &sb) != 0 || !S_ISDIR(sb.st_mode)))
-    return pdctl_fail("--draft-model %s: not a folder", draft);
+    return pdctl_fail("--speculative-model %s: not a folder", draft);
   if (insecure && secrets_dir) return pdctl_fail("--insecure and --secrets-dir exclude each other");
   if (mkdir(run_dir, 0755) != 0 && errno != EEXIST)
     return pdctl_fail("--run-dir %s: %s", run_dir, strerror(errno));
@@ -548,7 +559,7 @@ static int cluster_up(int argc, char **argv) {
   char model_abs[PATH_MAX], draft_abs[PATH_MAX];
   if (!realpath(model, model_abs)) return pdctl_fail("--model %s: %s", model, strerror(errno));
   if (draft && !realpath(draft, draft_abs))
-    return pdctl_fail("--draft-model %s: %s", draft, strerror(errno));
+    return pdctl_fail("--speculative-model %s: %s", draft, strerror(errno));
   snprintf(c.model, sizeof c.model, "%s", model_abs);
   snprintf(c.host, sizeof c.host, "%s", host);
   c.n_prefill = n_prefill;
@@ -590,9 +601,10 @@ static int cluster_up(int argc, char **argv) {
       find_binary(bin_dir, "prefill-node", "pd-prefill", prefill_bin, sizeof prefill_bin) ||
       find_binary(bin_dir, "decode-node", "pd-decode", decode_bin, sizeof decode_bin))
     return 1;
-  if (draft && !binary_accepts(decode_bin, "--draft-model"))
-    return pdctl_fail("%s does not take --draft-model (no speculative decoding in this build)",
-                      decode_bin);
+  const bool spec = draft || spec_method || spec_k || spec_adaptive || ngram_min || ngram_max;
+  if (spec && !binary_accepts(decode_bin, "--speculative-model"))
+    return pdctl_fail("%s does not take --speculative-model (no speculative decoding in this "
+                      "build)", decode_bin);
   if (setup_security(&c, secrets_dir, insecure, api_key, api_key_file, quiet) != 0) return 1;
 
   /* the router: free cluster and client ports, reported in its ready file */
@@ -701,10 +713,27 @@ static int cluster_up(int argc, char **argv) {
     cl_proc_arg(p, pre ? prefill_bin : decode_bin);
     cl_proc_arg(p, "--model");
     cl_proc_arg(p, model_abs);
-    if (draft) {
-      cl_proc_arg(p, "--draft-model");
+    if (!pre && draft) { /* decode nodes speculate (prefill nodes compute no draft KV) */
+      cl_proc_arg(p, "--speculative-model");
       cl_proc_arg(p, draft_abs);
     }
+    if (!pre && spec_method) {
+      cl_proc_arg(p, "--speculative-method");
+      cl_proc_arg(p, spec_method);
+    }
+    if (!pre && spec_adaptive) {
+      cl_proc_arg(p, "--speculative-adaptive");
+      cl_proc_arg(p, spec_adaptive);
+    }
+    const struct { const char *flag; int v; } ints[] = {
+        {"--num-speculative-tokens", spec_k}, {"--ngram-min", ngram_min}, {"--ngram-max", ngram_max}};
+    for (size_t j = 0; j < sizeof ints / sizeof ints[0]; j++)
+      if (!pre && ints[j].v) {
+        char v[16];
+        snprintf(v, sizeof v, "%d", ints[j].v);
+        cl_proc_arg(p, ints[j].flag);
+        cl_proc_arg(p, v);
+      }
     if (name) {
       cl_proc_arg(p, "--served-model-name");
       cl_proc_arg(p, name);

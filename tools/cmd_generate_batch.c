@@ -334,6 +334,8 @@ int cmd_generate_batch(int argc, char **argv) {
             (unsigned long long)ss.cached_prompt_tokens, (unsigned long long)ss.generated_tokens,
             pdctl_now() - t0, (pdctl_now() - t0) > 0 ? ss.generated_tokens / (pdctl_now() - t0) : 0.0,
             (unsigned long long)ss.steps, (unsigned long long)ss.preemptions);
+  if (!quiet && rt.spec.method != PD_SPEC_NONE)
+    pdctl_print_spec_stats(stderr, &ss, rt.spec.method);
   pd_runtime_close(&rt);
   return rc;
 }

@@ -1,4 +1,5 @@
 /* pdctl: generate, tokenize, bench-model (later: cluster, client, bench, make-model). */
+#include "pd/sched.h"
 #include "pdctl.h"
 
 #include <stdarg.h>
@@ -41,6 +42,19 @@ char *pdctl_read_file(const char *path, size_t *len) {
   buf[n] = 0;
   if (len) *len = n;
   return buf;
+}
+
+void pdctl_print_spec_stats(FILE *f, const pd_sched_stats *ss, pd_spec_method m) {
+  double emitted = 0;
+  for (int j = 0; j < PD_SPEC_MAX_K + 2; j++) emitted += (double)j * ss->spec_emitted_hist[j];
+  fprintf(f,
+          "pdctl: speculative (%s): %llu verifications, %llu proposed, %llu accepted (%.1f%%), "
+          "%.2f tokens per verification; draft %.3f s in %llu forwards, verify steps %.3f s\n",
+          pd_spec_method_name(m), (unsigned long long)ss->spec_verified,
+          (unsigned long long)ss->spec_proposed, (unsigned long long)ss->spec_accepted,
+          ss->spec_proposed ? 100.0 * ss->spec_accepted / ss->spec_proposed : 0.0,
+          ss->spec_verified ? emitted / ss->spec_verified : 0.0, ss->spec_draft_seconds,
+          (unsigned long long)ss->spec_draft_steps, ss->spec_verify_seconds);
 }
 
 double pdctl_now(void) {

@@ -45,4 +45,9 @@ int32_t *pdctl_parse_ids(const char *s, size_t *n, pd_err *e);
 char *pdctl_read_file(const char *path, size_t *len);
 double pdctl_now(void);
 
+#ifdef PD_SCHED_H
+/* One line of speculative-decoding figures from the scheduler's counters. */
+void pdctl_print_spec_stats(FILE *f, const pd_sched_stats *ss, pd_spec_method m);
+#endif
+
 #endif

@@ -535,6 +535,17 @@ void pd_node_update_metrics(pd_node *n) {
   uint64_t replays = 0;
   pd_engine_graph_stats(n->rt.eng, &replays, NULL);
   pd_metric_add(n->m_graph_replays, (double)replays - pd_metric_value(n->m_graph_replays));
+  if (n->m_spec_len) {
+    const pd_sched_stats *o = &n->last_stats;
+    pd_metric_add(n->m_spec_proposed, (double)(s.spec_proposed - o->spec_proposed));
+    pd_metric_add(n->m_spec_accepted, (double)(s.spec_accepted - o->spec_accepted));
+    pd_metric_add(n->m_spec_verify_s, s.spec_verify_seconds - o->spec_verify_seconds);
+    pd_metric_add(n->m_spec_draft_s, s.spec_draft_seconds - o->spec_draft_seconds);
+    pd_metric_add(n->m_spec_draft_steps, (double)(s.spec_draft_steps - o->spec_draft_steps));
+    for (int j = 1; j < PD_SPEC_MAX_K + 2; j++)
+      for (uint64_t c = o->spec_emitted_hist[j]; c < s.spec_emitted_hist[j]; c++)
+        pd_metric_observe(n->m_spec_len, j);
+  }
   n->last_stats = s;
 }
 
@@ -587,6 +598,25 @@ static void init_metrics(pd_node *n) {
                                            pd_metrics_fine_buckets, pd_metrics_fine_buckets_n);
   n->m_preemptions = pd_metrics_counter(m, "pd_node_preemptions_total",
                                         "Sequences preempted for lack of KV blocks.", NULL);
+  if (n->rt.spec.method != PD_SPEC_NONE) {
+    char l[64];
+    snprintf(l, sizeof l, "method=\"%s\"", pd_spec_method_name(n->rt.spec.method));
+    static const double len_bounds[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17};
+    n->m_spec_proposed = pd_metrics_counter(m, "pd_node_spec_proposed_tokens_total",
+                                            "Speculative tokens proposed.", l);
+    n->m_spec_accepted = pd_metrics_counter(m, "pd_node_spec_accepted_tokens_total",
+                                            "Speculative tokens accepted by verification.", l);
+    n->m_spec_len = pd_metrics_histogram(
+        m, "pd_node_spec_acceptance_length",
+        "Tokens one verification emitted: accepted proposals + 1.", l, len_bounds,
+        (int)(sizeof len_bounds / sizeof len_bounds[0]));
+    n->m_spec_verify_s = pd_metrics_counter(m, "pd_node_spec_verify_seconds_total",
+                                            "Engine time of the steps that verified proposals.", l);
+    n->m_spec_draft_s = pd_metrics_counter(m, "pd_node_spec_draft_seconds_total",
+                                           "Time spent proposing (draft forwards, n-gram lookup).", l);
+    n->m_spec_draft_steps = pd_metrics_counter(m, "pd_node_spec_draft_steps_total",
+                                               "Forward passes of the draft model.", l);
+  }
 }
 
 pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,

@@ -188,6 +188,9 @@ struct pd_node {
   pd_metric *m_registered, *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total,
       *m_prefix_queries, *m_prefix_hits, *m_prefix_rate, *m_gen_tokens, *m_prompt_tokens,
       *m_steps, *m_step_seconds, *m_preemptions, *m_graph_replays;
+  /* speculative decoding (NULL when off) */
+  pd_metric *m_spec_proposed, *m_spec_accepted, *m_spec_len, *m_spec_verify_s, *m_spec_draft_s,
+      *m_spec_draft_steps;
   pd_sched_stats last_stats;
 };
 

@@ -16,6 +16,10 @@ void pd_runtime_opts_default(pd_runtime_opts *o) {
   o->kv_cache_dtype = "auto";
   o->gpu_memory_utilization = 0.9;
   o->cpu_spin_us = PD_POOL_SPIN_US;
+  o->num_speculative_tokens = 4;
+  o->speculative_adaptive = "on";
+  o->ngram_min = 2;
+  o->ngram_max = 4;
 }
 
 int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap) {
@@ -55,12 +59,88 @@ int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap) {
       {"profile-gpu", PD_OPT_BOOL, &o->profile_gpu, NULL,
        "GPU: time every op and graph replay; the table goes to stderr at exit (with "
        "--enforce-eager: every op of a decode step)", NULL},
+      {"speculative-model", PD_OPT_STR, &o->speculative_model, "DIR",
+       "speculative decoding with this draft model (same tokenizer as the model)", NULL},
+      {"speculative-method", PD_OPT_STR, &o->speculative_method, "M",
+       "draft (the default with --speculative-model) or ngram (prompt lookup, no draft model)",
+       NULL},
+      {"num-speculative-tokens", PD_OPT_INT, &o->num_speculative_tokens, "K",
+       "most tokens proposed per sequence and step (4; a maximum when adaptive)", NULL},
+      {"speculative-adaptive", PD_OPT_STR, &o->speculative_adaptive, "on|off",
+       "on (default): proposals per step follow the measured acceptance and step times, and "
+       "stop where they would not pay; off: always K", NULL},
+      {"ngram-min", PD_OPT_INT, &o->ngram_min, "N", "n-gram: shortest match (2)", NULL},
+      {"ngram-max", PD_OPT_INT, &o->ngram_max, "N", "n-gram: longest match, tried first (4)",
+       NULL},
   };
   int n = (int)(sizeof t / sizeof t[0]);
   if (n + 1 > cap) return -1;
   memcpy(out, t, sizeof t);
   memset(&out[n], 0, sizeof out[n]);
   return n;
+}
+
+pd_status pd_runtime_spec_config(const pd_runtime_opts *o, pd_spec_config *out, pd_err *e) {
+  memset(out, 0, sizeof *out);
+  const char *m = o->speculative_method;
+  if (!m || !*m) m = o->speculative_model ? "draft" : "none";
+  if (!strcmp(m, "draft")) {
+    if (!o->speculative_model)
+      return pd_err_set(e, PD_EINVAL, "--speculative-method draft needs --speculative-model DIR");
+    out->method = PD_SPEC_DRAFT;
+  } else if (!strcmp(m, "ngram")) {
+    if (o->speculative_model)
+      return pd_err_set(e, PD_EINVAL, "--speculative-method ngram takes no --speculative-model");
+    out->method = PD_SPEC_NGRAM;
+  } else if (!strcmp(m, "none")) {
+    return PD_OK;
+  } else {
+    return pd_err_set(e, PD_EINVAL, "--speculative-method '%s': expected draft or ngram", m);
+  }
+  const char *ad = o->speculative_adaptive ? o->speculative_adaptive : "on";
+  if (strcmp(ad, "on") && strcmp(ad, "off"))
+    return pd_err_set(e, PD_EINVAL, "--speculative-adaptive '%s': expected on or off", ad);
+  if (o->num_speculative_tokens < 1 || o->num_speculative_tokens > PD_SPEC_MAX_K)
+    return pd_err_set(e, PD_EINVAL, "--num-speculative-tokens must be in [1, %d]", PD_SPEC_MAX_K);
+  if (out->method == PD_SPEC_NGRAM && (o->ngram_min < 1 || o->ngram_max < o->ngram_min))
+    return pd_err_set(e, PD_EINVAL, "--ngram-min and --ngram-max: need 1 <= min <= max");
+  out->num_tokens = o->num_speculative_tokens;
+  out->fixed = !strcmp(ad, "off");
+  out->ngram_min = o->ngram_min;
+  out->ngram_max = o->ngram_max;
+  return PD_OK;
+}
+
+/* The draft must read and write the same token ids as the target: same vocabulary, every
+ * token spelled the same, the same special tokens. */
+static pd_status check_draft_tokenizer(const pd_tokenizer *t, const char *dir, pd_err *e) {
+  pd_tokenizer *d = pd_tokenizer_load(dir, e);
+  if (!d) return e && e->code ? e->code : PD_EINVAL;
+  pd_status st = PD_OK;
+  int V = pd_tokenizer_vocab_size(t);
+  if (pd_tokenizer_vocab_size(d) != V) {
+    st = pd_err_set(e, PD_EINVAL,
+                    "--speculative-model %s: its tokenizer has %d tokens, the model's %d: a draft "
+                    "must share the model's tokenizer",
+                    dir, pd_tokenizer_vocab_size(d), V);
+  }
+  for (int32_t i = 0; st == PD_OK && i < V; i++) {
+    const char *a = pd_tokenizer_id_to_token(t, i), *b = pd_tokenizer_id_to_token(d, i);
+    if ((!a) != (!b) || (a && strcmp(a, b)) ||
+        pd_tokenizer_is_special(t, i) != pd_tokenizer_is_special(d, i))
+      st = pd_err_set(e, PD_EINVAL,
+                      "--speculative-model %s: token %d differs from the model's ('%s' against "
+                      "'%s'%s): a draft must share the model's tokenizer",
+                      dir, i, b ? b : "(none)", a ? a : "(none)",
+                      pd_tokenizer_is_special(t, i) != pd_tokenizer_is_special(d, i)
+                          ? ", special in one only" : "");
+  }
+  if (st == PD_OK && (pd_tokenizer_eos_id(t) != pd_tokenizer_eos_id(d) ||
+                      pd_tokenizer_bos_id(t) != pd_tokenizer_bos_id(d)))
+    st = pd_err_set(e, PD_EINVAL,
+                    "--speculative-model %s: its BOS/EOS tokens differ from the model's", dir);
+  pd_tokenizer_free(d);
+  return st;
 }
 
 pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_event_fn on_event,
@@ -75,6 +155,7 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
     return pd_err_set(e, PD_EINVAL,
                       "--max-batch-tokens and --max-seqs must be positive, the others not "
                       "negative");
+  if (pd_runtime_spec_config(o, &rt->spec, e) != PD_OK) return e ? e->code : PD_EINVAL;
   rt->model = pd_model_load(o->model_dir, NULL, e);
   if (!rt->model) return e ? e->code : PD_EINVAL;
   rt->tok = pd_tokenizer_load(o->model_dir, e);
@@ -109,8 +190,34 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
                c->max_position_embeddings);
     goto fail;
   }
+  if (rt->spec.method == PD_SPEC_DRAFT) {
+    if (check_draft_tokenizer(rt->tok, o->speculative_model, e) != PD_OK) goto fail;
+    rt->draft_model = pd_model_load(o->speculative_model, NULL, e);
+    if (!rt->draft_model) goto fail;
+    const pd_model_config *dc = &rt->draft_model->cfg;
+    if (dc->vocab_size != c->vocab_size) {
+      pd_err_set(e, PD_EINVAL, "--speculative-model %s: vocab_size %d, the model's is %d",
+                 o->speculative_model, dc->vocab_size, c->vocab_size);
+      goto fail;
+    }
+    if (dc->max_position_embeddings < max_len) {
+      pd_err_set(e, PD_EINVAL,
+                 "--speculative-model %s: its context (%d) is shorter than the model's %d (set "
+                 "--max-model-len)",
+                 o->speculative_model, dc->max_position_embeddings, max_len);
+      goto fail;
+    }
+  }
   size_t block_bytes = pd_kv_block_bytes(c->num_layers, c->num_kv_heads, c->head_dim,
                                          o->block_size, kv_dt);
+  size_t draft_block_bytes = 0, draft_weights = 0;
+  if (rt->draft_model) { /* the draft's KV shares the budget, block for block */
+    const pd_model_config *dc = &rt->draft_model->cfg;
+    draft_block_bytes = pd_kv_block_bytes(dc->num_layers, dc->num_kv_heads, dc->head_dim,
+                                          o->block_size, kv_dt);
+    for (size_t i = 0; i < pd_st_count(rt->draft_model->st); i++)
+      draft_weights += pd_st_at(rt->draft_model->st, i)->nbytes;
+  }
   size_t budget = (size_t)o->kv_cache_mb << 20;
   if (gpu && !o->kv_cache_tokens && rt->be->ops.mem_info) {
     /* --gpu-memory-utilization is this process's share of the device (vLLM's per-instance
@@ -124,6 +231,8 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
                   ((size_t)c->vocab_size + 10 * (size_t)c->hidden_size + 3 * (size_t)c->intermediate_size) *
                   sizeof(float);
     double fixed = (double)weights + (double)acts + (double)(256u << 20);
+    if (rt->draft_model) /* its weights and activations (at most the model's) */
+      fixed += (double)draft_weights + (double)acts + (double)(256u << 20);
     double want = o->gpu_memory_utilization * (double)total_b - fixed;
     if (o->gpu_memory_utilization <= 0 || o->gpu_memory_utilization > 1 || want <= 0) {
       pd_err_set(e, PD_EINVAL,
@@ -144,7 +253,8 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
   }
   int num_blocks = o->kv_cache_tokens
                        ? (o->kv_cache_tokens + o->block_size - 1) / o->block_size
-                       : pd_kv_num_blocks_for_budget(budget, block_bytes, o->block_size);
+                       : pd_kv_num_blocks_for_budget(budget, block_bytes + draft_block_bytes,
+                                                     o->block_size);
   if (num_blocks < 1) {
     pd_err_set(e, PD_EINVAL, "the KV cache budget holds not even one block");
     goto fail;
@@ -166,8 +276,26 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
                         .salt = o->model_dir, .salt_len = strlen(o->model_dir)};
   rt->pool = pd_kv_pool_create(&po, e);
   if (!rt->pool) goto fail;
+  if (rt->spec.method == PD_SPEC_DRAFT) {
+    /* the draft: its own backend on the same device, an engine with the target's limits and
+     * a block pool with as many blocks (each much smaller) */
+    rt->draft_be = pd_backend_open(o->device, &bo, &gpu, e);
+    if (!rt->draft_be) goto fail;
+    pd_engine_opts de = eo;
+    de.no_device_sampling = true;
+    rt->draft_eng = pd_engine_create(rt->draft_model, rt->draft_be, &de, e);
+    if (!rt->draft_eng) goto fail;
+    pd_kv_pool_opts dpo = po;
+    dpo.salt = o->speculative_model;
+    dpo.salt_len = strlen(o->speculative_model);
+    rt->draft_pool = pd_kv_pool_create(&dpo, e);
+    if (!rt->draft_pool) goto fail;
+    rt->spec.draft = rt->draft_eng;
+    rt->spec.draft_pool = rt->draft_pool;
+  }
   pd_sched_opts so = {.eos_ids = rt->eos, .n_eos = rt->n_eos,
-                      .decode_prefill_tokens = o->decode_prefill_tokens};
+                      .decode_prefill_tokens = o->decode_prefill_tokens,
+                      .spec = rt->spec.method != PD_SPEC_NONE ? &rt->spec : NULL};
   rt->sched = pd_sched_create(rt->eng, rt->pool, &so, on_event, user, e);
   if (!rt->sched) goto fail;
   return PD_OK;
@@ -178,6 +306,10 @@ fail:
 
 void pd_runtime_close(pd_runtime *rt) {
   pd_sched_free(rt->sched);
+  pd_kv_pool_free(rt->draft_pool);
+  pd_engine_free(rt->draft_eng);
+  if (rt->draft_be) pd_backend_destroy(rt->draft_be);
+  pd_model_free(rt->draft_model);
   pd_kv_pool_free(rt->pool);
   pd_engine_free(rt->eng);
   if (rt->be) pd_backend_destroy(rt->be);

@@ -4,6 +4,8 @@
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <stdio.h>
 
 typedef struct sreq sreq;
 
@@ -19,6 +21,13 @@ typedef struct sseq {
   int dev_row;       /* index of its device-sampling spec this step, or -1 (host sampling) */
   int lp_row0;       /* first prompt-logprob row, or -1 */
   int lp_pos0, lp_count; /* prompt positions covered by those rows */
+  /* speculative decoding */
+  int n_draft;                     /* proposals appended to kv for this step (0: none) */
+  int32_t draft[PD_SPEC_MAX_K];    /* the proposals */
+  long dq_off;                     /* their draft distributions in the step's dq, or -1 */
+  int c0;                          /* computed tokens before this step */
+  float acc_a, acc_r;              /* decayed counts of accepted and rejected proposals */
+  pd_kv_seq *dkv;                  /* the draft model's KV (draft method) */
 } sseq;
 
 struct sreq {
@@ -75,6 +84,22 @@ struct pd_sched {
   bool in_flight; /* a step's forward pass was submitted and not yet finished */
   pd_batch batch; /* that step's batch (arrays above) */
   int n_sched;    /* that step's sequences: sched[0 .. n_sched) */
+  /* speculative decoding (spec.method != PD_SPEC_NONE) */
+  pd_spec_config spec;
+  pd_spec_timing t_target, t_draft; /* step seconds by tokens: target steps, draft forwards */
+  int last_prompt_tokens;           /* prompt tokens of the last step */
+  double acc_a, acc_r;              /* decayed accepted and rejected counts, all sequences */
+  bool step_verifies;               /* this step verifies proposals */
+  double eng_t0;                    /* engine seconds at the step's submit */
+  float *dq;                        /* draft distributions of the step [.., V] */
+  size_t dq_cap, dq_used;           /* in floats */
+  sseq **cand;                      /* proposing sequences of the step */
+  int *plan;                        /* their planned proposal counts */
+  /* the draft model's batch */
+  int d_max_batch_tokens, d_max_blocks;
+  int32_t *d_tokens, *d_pos, *d_slots, *d_qstart, *d_ctx, *d_bt, *d_rows;
+  float *d_logits;
+  int *d_idx; /* candidate index of each draft batch sequence */
 };
 
 /* ---- small containers ---- */
@@ -113,6 +138,47 @@ static bool list_remove(seq_list *l, const sseq *q) {
 }
 
 /* ---- lifecycle ---- */
+
+static pd_status spec_init(pd_sched *s, const pd_spec_config *c, pd_err *e) {
+  if (c->method != PD_SPEC_NGRAM && c->method != PD_SPEC_DRAFT)
+    return pd_err_set(e, PD_EINVAL, "speculative decoding: unknown method %d", (int)c->method);
+  if (c->num_tokens < 1 || c->num_tokens > PD_SPEC_MAX_K)
+    return pd_err_set(e, PD_EINVAL, "--num-speculative-tokens must be in [1, %d], not %d",
+                      PD_SPEC_MAX_K, c->num_tokens);
+  if (c->method == PD_SPEC_NGRAM && (c->ngram_min < 1 || c->ngram_max < c->ngram_min))
+    return pd_err_set(e, PD_EINVAL, "--ngram-min and --ngram-max: need 1 <= min <= max, not %d, %d",
+                      c->ngram_min, c->ngram_max);
+  s->spec = *c;
+  size_t S = (size_t)s->max_seqs;
+  s->cand = malloc(S * sizeof *s->cand);
+  s->plan = malloc(S * sizeof *s->plan);
+  if (!s->cand || !s->plan) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  if (c->method != PD_SPEC_DRAFT) return PD_OK;
+  if (!c->draft || !c->draft_pool)
+    return pd_err_set(e, PD_EINVAL, "speculative decoding with a draft model: no draft engine");
+  const pd_engine_opts *d = pd_engine_get_opts(c->draft);
+  if (pd_engine_config(c->draft)->vocab_size != s->V)
+    return pd_err_set(e, PD_EINVAL, "the draft model's vocabulary (%d) differs from the target's (%d)",
+                      pd_engine_config(c->draft)->vocab_size, s->V);
+  if (d->max_seqs < s->max_seqs || pd_kv_pool_block_size(c->draft_pool) != d->block_size)
+    return pd_err_set(e, PD_EINVAL, "the draft engine takes fewer sequences than the target's");
+  s->d_max_batch_tokens = d->max_batch_tokens;
+  s->d_max_blocks = (d->max_model_len + d->block_size - 1) / d->block_size;
+  size_t T = (size_t)s->d_max_batch_tokens;
+  s->d_tokens = malloc(T * sizeof(int32_t));
+  s->d_pos = malloc(T * sizeof(int32_t));
+  s->d_slots = malloc(T * sizeof(int32_t));
+  s->d_rows = malloc(S * sizeof(int32_t));
+  s->d_qstart = malloc((S + 1) * sizeof(int32_t));
+  s->d_ctx = malloc(S * sizeof(int32_t));
+  s->d_idx = malloc(S * sizeof(int));
+  s->d_bt = malloc(S * (size_t)s->d_max_blocks * sizeof(int32_t));
+  s->d_logits = malloc(S * (size_t)s->V * sizeof(float));
+  if (!s->d_tokens || !s->d_pos || !s->d_slots || !s->d_rows || !s->d_qstart || !s->d_ctx ||
+      !s->d_idx || !s->d_bt || !s->d_logits)
+    return pd_err_set(e, PD_ENOMEM, "out of memory");
+  return PD_OK;
+}
 
 pd_sched *pd_sched_create(pd_engine *eng, pd_kv_pool *pool, const pd_sched_opts *o,
                           pd_sched_event_fn on_event, void *user, pd_err *e) {
@@ -172,6 +238,10 @@ pd_sched *pd_sched_create(pd_engine *eng, pd_kv_pool *pool, const pd_sched_opts 
     pd_sched_free(s);
     return NULL;
   }
+  if (o && o->spec && o->spec->method != PD_SPEC_NONE && spec_init(s, o->spec, e) != PD_OK) {
+    pd_sched_free(s);
+    return NULL;
+  }
   return s;
 oom:
   pd_err_set(e, PD_ENOMEM, "out of memory");
@@ -182,6 +252,7 @@ oom:
 static void seq_free(sseq *q) {
   if (!q) return;
   pd_kv_seq_free(q->kv);
+  pd_kv_seq_free(q->dkv);
   pd_sampler_free(q->smp);
   free(q);
 }
@@ -216,6 +287,18 @@ void pd_sched_free(pd_sched *s) {
   free(s->specs);
   free(s->outs);
   free(s->edits);
+  free(s->dq);
+  free(s->cand);
+  free(s->plan);
+  free(s->d_tokens);
+  free(s->d_pos);
+  free(s->d_slots);
+  free(s->d_rows);
+  free(s->d_qstart);
+  free(s->d_ctx);
+  free(s->d_idx);
+  free(s->d_bt);
+  free(s->d_logits);
   pd_sample_ws_free(s->ws);
   free(s);
 }
@@ -250,6 +333,7 @@ static sseq *seq_new(pd_sched *s, sreq *r, int index, pd_kv_seq *kv, pd_err *e) 
   q->index = index;
   q->order = s->next_order++;
   q->kv = kv;
+  q->dq_off = -1;
   q->smp = pd_sampler_new(&r->p, s->V, s->eos, (size_t)s->n_eos, r->sample_base + (uint32_t)index,
                           e);
   bool ok = q->smp &&
@@ -489,9 +573,20 @@ static void seq_end(pd_sched *s, sseq *q) {
   if (--r->n_alive == 0) drop_req(s, r);
 }
 
+/* Takes q's unverified proposals back out of its tokens. */
+static void drop_drafts(sseq *q) {
+  if (!q->n_draft) return;
+  pd_status st = pd_kv_seq_truncate(q->kv, pd_kv_seq_num_tokens(q->kv) - q->n_draft, NULL);
+  PD_ASSERT(st == PD_OK);
+  (void)st;
+  q->n_draft = 0;
+}
+
 static void preempt(pd_sched *s, sseq *q) {
   list_remove(&s->running, q);
+  drop_drafts(q);
   pd_kv_seq_release(q->kv);
+  if (q->dkv) pd_kv_seq_release(q->dkv);
   /* back to the front, keeping admission order among the preempted */
   int at = 0;
   while (at < s->waiting.n && s->waiting.v[at]->order < q->order) at++;
@@ -499,10 +594,14 @@ static void preempt(pd_sched *s, sseq *q) {
   s->st.preemptions++;
 }
 
-/* Tokens q wants this step: the rest of its known tokens (prompt chunk) or 1 (decode). */
+/* Tokens q wants this step: the rest of its known tokens (prompt chunk) or 1 (decode), plus
+ * its proposals when it speculates. */
 static int want(const sseq *q) {
   return pd_kv_seq_num_tokens(q->kv) - pd_kv_seq_num_computed(q->kv);
 }
+
+/* q decodes (one known token to compute, besides proposals). */
+static bool decoding(const sseq *q) { return want(q) - q->n_draft == 1; }
 
 static pd_status schedule(pd_sched *s, int *n_sched, int *n_tok, pd_err *e) {
   int budget = s->max_batch_tokens, ns = 0, nt = 0;
@@ -511,14 +610,15 @@ static pd_status schedule(pd_sched *s, int *n_sched, int *n_tok, pd_err *e) {
   int pbudget = INT_MAX;
   if (s->decode_prefill_tokens > 0)
     for (int i = 0; i < s->running.n; i++)
-      if (want(s->running.v[i]) == 1) {
+      if (decoding(s->running.v[i])) {
         pbudget = s->decode_prefill_tokens;
         break;
       }
+  for (int i = 0; i < s->running.n; i++) s->running.v[i]->n_new = 0;
   for (int i = 0; i < s->running.n && budget > 0 && ns < s->max_seqs;) {
     sseq *q = s->running.v[i];
     int n = want(q);
-    const bool prompt = n > 1;
+    const bool prompt = !decoding(q);
     if (prompt && pbudget <= 0) { /* its next chunk waits for a later step */
       i++;
       continue;
@@ -526,6 +626,11 @@ static pd_status schedule(pd_sched *s, int *n_sched, int *n_tok, pd_err *e) {
     if (n > budget) n = budget;
     if (prompt && n > pbudget) n = pbudget;
     PD_ASSERT(n > 0);
+    if (q->n_draft > n - 1) { /* the budget cuts its proposals */
+      pd_status st = pd_kv_seq_truncate(q->kv, pd_kv_seq_num_tokens(q->kv) - (q->n_draft - (n - 1)), e);
+      if (st != PD_OK) return st;
+      q->n_draft = n - 1;
+    }
     bool scheduled = false;
     for (;;) {
       pd_status st = pd_kv_seq_allocate(q->kv, n, s->slots + nt, e);
@@ -575,6 +680,9 @@ static pd_status schedule(pd_sched *s, int *n_sched, int *n_tok, pd_err *e) {
     budget -= n;
     if (pbudget != INT_MAX) pbudget -= n;
   }
+  /* proposals of sequences left out of this step wait for no one */
+  for (int i = 0; i < s->running.n; i++)
+    if (s->running.v[i]->n_new == 0) drop_drafts(s->running.v[i]);
   *n_sched = ns;
   *n_tok = nt;
   return PD_OK;
@@ -601,20 +709,12 @@ static pd_status fork_samples(pd_sched *s, sseq *q, sseq **forks, pd_err *e) {
   return PD_OK;
 }
 
-/* Records and reports q's next token (sampled already, with its logprobs when asked). */
-static pd_status emit_token(pd_sched *s, sseq *q, int32_t tok, const pd_logprobs *lp,
-                            pd_err *e) {
+/* Reports q's next token tok (accepted by its sampler already, and in its tokens unless it
+ * finishes); ends q when fin says so. */
+static void report(pd_sched *s, sseq *q, int32_t tok, const pd_logprobs *lp,
+                   pd_finish_reason fin) {
   sreq *r = q->req;
   bool want_lp = r->p.logprobs >= 0;
-  pd_finish_reason fin = PD_FINISH_NONE;
-  pd_status st = pd_sampler_accept(q->smp, tok, &fin, e);
-  if (st != PD_OK) return st;
-  if (fin == PD_FINISH_NONE && pd_kv_seq_num_tokens(q->kv) + 1 >= s->max_model_len)
-    fin = PD_FINISH_LENGTH;
-  if (fin == PD_FINISH_NONE) {
-    st = pd_kv_seq_append_tokens(q->kv, &tok, 1, e);
-    if (st != PD_OK) return st;
-  }
   pd_sched_event ev = {.id = r->id, .index = q->index, .token = tok,
                        .logprobs = want_lp ? lp : NULL, .finish = fin,
                        .num_cached_tokens = r->num_cached,
@@ -631,6 +731,69 @@ static pd_status emit_token(pd_sched *s, sseq *q, int32_t tok, const pd_logprobs
   s->st.generated_tokens++;
   if (s->on_event) s->on_event(s->user, &ev);
   if (fin != PD_FINISH_NONE) seq_end(s, q);
+}
+
+/* Records and reports q's next token (sampled already, with its logprobs when asked). */
+static pd_status emit_token(pd_sched *s, sseq *q, int32_t tok, const pd_logprobs *lp,
+                            pd_err *e) {
+  pd_finish_reason fin = PD_FINISH_NONE;
+  pd_status st = pd_sampler_accept(q->smp, tok, &fin, e);
+  if (st != PD_OK) return st;
+  if (fin == PD_FINISH_NONE && pd_kv_seq_num_tokens(q->kv) + 1 >= s->max_model_len)
+    fin = PD_FINISH_LENGTH;
+  if (fin == PD_FINISH_NONE) {
+    st = pd_kv_seq_append_tokens(q->kv, &tok, 1, e);
+    if (st != PD_OK) return st;
+  }
+  report(s, q, tok, lp, fin);
+  return PD_OK;
+}
+
+/* Verifies q's proposals against its target rows [1 + n_draft][V] and reports the tokens
+ * that come out (1 .. n_draft + 1); only their KV is committed, the rest rolled back. */
+static pd_status emit_spec(pd_sched *s, sseq *q, float *rows, pd_err *e) {
+  sreq *r = q->req;
+  const int k = q->n_draft;
+  int32_t out[PD_SPEC_MAX_K + 1];
+  int32_t n_out = 0;
+  pd_logprobs lp[PD_SPEC_MAX_K + 1];
+  const bool want_lp = r->p.logprobs >= 0;
+  pd_finish_reason fin = PD_FINISH_NONE;
+  const float *dq = q->dq_off >= 0 ? s->dq + q->dq_off : NULL;
+  pd_status st = pd_spec_verify(q->smp, s->ws, rows, q->draft, dq, k, out, &n_out,
+                                want_lp ? lp : NULL, &fin, e);
+  if (st != PD_OK) return st;
+  PD_ASSERT(n_out >= 1 && n_out <= k + 1);
+  int acc = 0;
+  while (acc < k && acc < n_out && out[acc] == q->draft[acc]) acc++;
+  /* context whose KV this step computed and that stays: the last token and the accepted
+   * proposals before the final emitted token */
+  int keep = 1 + (acc < n_out - 1 ? acc : n_out - 1);
+  st = pd_kv_seq_commit(q->kv, keep, e);
+  if (st == PD_OK) st = pd_kv_seq_truncate(q->kv, q->c0 + keep, e);
+  if (st != PD_OK) return st;
+  q->n_draft = 0;
+  s->st.spec_verified++;
+  s->st.spec_proposed += (uint64_t)k;
+  s->st.spec_accepted += (uint64_t)acc;
+  s->st.spec_emitted_hist[n_out]++;
+  q->acc_a = 0.8f * q->acc_a + (float)acc;
+  q->acc_r = 0.8f * q->acc_r + (acc < k ? 1.0f : 0.0f);
+  s->acc_a = 0.98 * s->acc_a + acc;
+  s->acc_r = 0.98 * s->acc_r + (acc < k ? 1.0 : 0.0);
+  for (int j = 0; j < n_out; j++) {
+    if (r->aborted) break; /* a stop string in the run: the rest is not wanted */
+    bool last = j == n_out - 1;
+    pd_finish_reason f = last ? fin : PD_FINISH_NONE;
+    /* the tokens before this one: c0 + 1 + j */
+    if (f == PD_FINISH_NONE && q->c0 + 1 + j + 1 >= s->max_model_len) f = PD_FINISH_LENGTH;
+    if (last && f == PD_FINISH_NONE) {
+      st = pd_kv_seq_append_tokens(q->kv, &out[j], 1, e);
+      if (st != PD_OK) return st;
+    }
+    report(s, q, out[j], want_lp ? &lp[j] : NULL, f); /* may free q */
+    if (f != PD_FINISH_NONE) break;
+  }
   return PD_OK;
 }
 
@@ -685,6 +848,245 @@ static pd_status add_dev_spec(pd_sched *s, sseq *q, int idx, int32_t *n_edits, p
   }
 }
 
+/* ---- speculative decoding: proposals ---- */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The sequence's acceptance estimate: its decayed accepted / (accepted + rejected) counts,
+ * with two pseudo-counts at the acceptance of all sequences (itself with a uniform prior). */
+static double acceptance(const pd_sched *s, const sseq *q) {
+  double g = (s->acc_a + 1.0) / (s->acc_a + s->acc_r + 2.0);
+  return (q->acc_a + 2.0 * g) / (q->acc_a + q->acc_r + 2.0);
+}
+
+/* How many proposals this step's speculating sequences make at most (0: none), from the
+ * measured step times and each sequence's acceptance; cap[i] is what candidate i can take. */
+static int choose_k(pd_sched *s, int nc, int n_decode) {
+  const int K = s->spec.num_tokens;
+  if (s->spec.fixed) return K;
+  const uint64_t step = s->st.steps + 1, window = 200;
+  const uint64_t since = step > window ? step - window : 1;
+  const int base = n_decode + s->last_prompt_tokens;
+  double t0 = pd_spec_timing_estimate(&s->t_target, base, since);
+  if (t0 <= 0) return K; /* nothing measured yet: speculate, and measure */
+  double best = n_decode / t0;
+  int best_k = 0;
+  for (int k = 1; k <= K; k++) {
+    int extra = 0;
+    double gain = n_decode - nc;
+    for (int i = 0; i < nc; i++) {
+      int ki = s->plan[i] < k ? s->plan[i] : k;
+      extra += ki;
+      gain += pd_spec_expected_tokens(acceptance(s, s->cand[i]), ki);
+    }
+    double cost = pd_spec_timing_estimate(&s->t_target, base + extra, since);
+    if (s->spec.method == PD_SPEC_DRAFT)
+      cost += k * pd_spec_timing_estimate(&s->t_draft, nc, since);
+    if (cost > 0 && gain / cost > best) {
+      best = gain / cost;
+      best_k = k;
+    }
+  }
+  /* the baseline is measured again when its measurement is old (unmeasured speculative
+   * sizes are tried by the estimate's optimism) */
+  if (best_k > 0 && !pd_spec_timing_fresh(&s->t_target, base, since)) return 0;
+  return best_k;
+}
+
+/* The draft model proposes: for each candidate i up to plan[i] tokens, the candidates
+ * together, one draft forward per token (the first also computes the draft KV of context it
+ * has not seen). Proposals are drawn as the target's sampler would (penalties, bias,
+ * temperature; greedy = argmax), their distributions kept for verification when sampling. */
+static pd_status draft_propose(pd_sched *s, int nc, pd_err *e) {
+  pd_engine *de = s->spec.draft;
+  pd_kv_pool *dp = s->spec.draft_pool;
+  const int V = s->V;
+  for (int i = 0; i < nc; i++) {
+    sseq *q = s->cand[i];
+    const int32_t *T = pd_kv_seq_tokens(q->kv);
+    int N = pd_kv_seq_num_tokens(q->kv);
+    q->n_draft = 0;
+    q->dq_off = -1;
+    if (!q->dkv) {
+      q->dkv = pd_kv_seq_create(dp, T, N, q->req->cache_salt, e);
+      if (!q->dkv) return e ? e->code : PD_ENOMEM;
+    } else { /* keep the common prefix with the target's tokens, then the rest */
+      const int32_t *D = pd_kv_seq_tokens(q->dkv);
+      int nd = pd_kv_seq_num_tokens(q->dkv), l = 0, m = nd < N ? nd : N;
+      while (l < m && D[l] == T[l]) l++;
+      pd_status st = l < nd ? pd_kv_seq_truncate(q->dkv, l, e) : PD_OK;
+      if (st == PD_OK && l < N) st = pd_kv_seq_append_tokens(q->dkv, T + l, N - l, e);
+      if (st != PD_OK) return st;
+    }
+    if (pd_sampler_params(q->smp)->temperature > 0) { /* sampling: keep q for verification */
+      size_t need = s->dq_used + (size_t)s->plan[i] * (size_t)V;
+      if (need > s->dq_cap) {
+        size_t cap = s->dq_cap ? s->dq_cap : (size_t)V * 16;
+        while (cap < need) cap *= 2;
+        float *p = realloc(s->dq, cap * sizeof *p);
+        if (!p) return pd_err_set(e, PD_ENOMEM, "out of memory");
+        s->dq = p;
+        s->dq_cap = cap;
+      }
+      q->dq_off = (long)s->dq_used;
+      s->dq_used = need;
+    }
+  }
+  pd_status st = PD_OK;
+  for (;;) {
+    int ns = 0, nt = 0, n_rows = 0, mb = 1, budget = s->d_max_batch_tokens;
+    for (int i = 0; i < nc && budget > 0; i++) {
+      sseq *q = s->cand[i];
+      if (q->n_draft >= s->plan[i]) continue;
+      int need = pd_kv_seq_num_tokens(q->dkv) - pd_kv_seq_num_computed(q->dkv) -
+                 pd_kv_seq_prefix_hit(q->dkv);
+      int n = need < budget ? need : budget;
+      st = pd_kv_seq_allocate(q->dkv, n, s->d_slots + nt, e);
+      if (st == PD_EFULL) { /* no draft blocks for it now: it does not speculate */
+        pd_kv_seq_release(q->dkv);
+        s->plan[i] = q->n_draft;
+        st = PD_OK;
+        continue;
+      }
+      if (st != PD_OK) goto out;
+      int c = pd_kv_seq_num_computed(q->dkv);
+      const int32_t *toks = pd_kv_seq_tokens(q->dkv);
+      memcpy(s->d_tokens + nt, toks + c, (size_t)n * sizeof(int32_t));
+      for (int j = 0; j < n; j++) s->d_pos[nt + j] = c + j;
+      s->d_qstart[ns] = nt;
+      s->d_ctx[ns] = c + n;
+      s->d_idx[ns] = n == need ? i : -1 - i; /* negative: a chunk of catch-up, no row */
+      if (n == need) s->d_rows[n_rows++] = nt + n - 1;
+      int nb = pd_kv_seq_num_blocks(q->dkv);
+      if (nb > mb) mb = nb;
+      nt += n;
+      budget -= n;
+      ns++;
+    }
+    if (ns == 0) break;
+    s->d_qstart[ns] = nt;
+    for (int j = 0; j < ns; j++) {
+      int i = s->d_idx[j] >= 0 ? s->d_idx[j] : -1 - s->d_idx[j];
+      const pd_kv_seq *kv = s->cand[i]->dkv;
+      int nb = pd_kv_seq_num_blocks(kv);
+      int32_t *bt = s->d_bt + (size_t)j * mb;
+      memcpy(bt, pd_kv_seq_block_table(kv), (size_t)nb * sizeof *bt);
+      for (int b = nb; b < mb; b++) bt[b] = 0;
+    }
+    const pd_kv_copy *cp; /* the draft pool shares blocks only through its prefix cache */
+    if (pd_kv_pool_copies(dp, &cp) > 0) {
+      int ncp = pd_kv_pool_copies(dp, &cp);
+      int32_t *src = malloc((size_t)ncp * 2 * sizeof *src);
+      if (!src) {
+        st = pd_err_set(e, PD_ENOMEM, "out of memory");
+        goto out;
+      }
+      for (int j = 0; j < ncp; j++) {
+        src[j] = cp[j].src;
+        src[ncp + j] = cp[j].dst;
+      }
+      st = pd_engine_copy_blocks(de, src, src + ncp, ncp, e);
+      free(src);
+      if (st != PD_OK) goto out;
+    }
+    pd_kv_pool_copies_done(dp);
+    pd_batch b = {.n_tokens = nt, .tokens = s->d_tokens, .positions = s->d_pos,
+                  .slots = s->d_slots, .n_seqs = ns, .q_start = s->d_qstart, .ctx_len = s->d_ctx,
+                  .block_tables = s->d_bt, .max_blocks = mb, .n_logits = n_rows,
+                  .logit_rows = s->d_rows};
+    double t0 = now_s();
+    st = pd_engine_forward(de, &b, s->d_logits, e);
+    if (st != PD_OK) goto out;
+    s->st.spec_draft_steps++;
+    int row = 0;
+    for (int j = 0; j < ns; j++) {
+      bool has_row = s->d_idx[j] >= 0;
+      int i = has_row ? s->d_idx[j] : -1 - s->d_idx[j];
+      sseq *q = s->cand[i];
+      st = pd_kv_seq_commit(q->dkv, s->d_qstart[j + 1] - s->d_qstart[j], e);
+      if (st != PD_OK) goto out;
+      if (!has_row) continue;
+      float *lg = s->d_logits + (size_t)row++ * V;
+      float *qd = q->dq_off >= 0 ? s->dq + q->dq_off + (size_t)q->n_draft * V : NULL;
+      int32_t tok;
+      pd_finish_reason fin = PD_FINISH_NONE;
+      st = pd_spec_draft_token(q->smp, s->ws, lg, qd, &tok, e);
+      /* accepted tentatively, so the next proposal sees its penalties; rolled back below */
+      if (st == PD_OK) st = pd_sampler_accept(q->smp, tok, &fin, e);
+      if (st == PD_OK) {
+        q->draft[q->n_draft++] = tok;
+        st = pd_kv_seq_append_tokens(q->dkv, &tok, 1, e);
+      }
+      if (st != PD_OK) goto out;
+      if (fin != PD_FINISH_NONE) s->plan[i] = q->n_draft; /* a stop token ends the run */
+    }
+    pd_spec_timing_add(&s->t_draft, nt, now_s() - t0, s->st.steps + 1);
+  }
+out:
+  for (int i = 0; i < nc; i++) {
+    sseq *q = s->cand[i];
+    pd_status r2 = pd_sampler_rollback(q->smp, q->n_draft, NULL);
+    PD_ASSERT(r2 == PD_OK);
+    (void)r2;
+    if (st != PD_OK) q->n_draft = 0;
+  }
+  return st;
+}
+
+/* Proposals for this step's decoding sequences, appended to their tokens (n_draft). */
+static pd_status propose(pd_sched *s, pd_err *e) {
+  s->dq_used = 0;
+  int nc = 0, n_decode = 0;
+  for (int i = 0; i < s->running.n; i++) {
+    sseq *q = s->running.v[i];
+    q->n_draft = 0;
+    q->dq_off = -1;
+    if (want(q) != 1 || q->req->aborted) continue;
+    n_decode++;
+    int n = pd_kv_seq_num_tokens(q->kv);
+    int cap = s->spec.num_tokens;
+    int room = s->max_model_len - 1 - n; /* positions stay inside the context */
+    int left = q->req->max_tokens - pd_sampler_n_generated(q->smp) - 1;
+    if (room < cap) cap = room;
+    if (left < cap) cap = left;
+    if (cap <= 0) continue;
+    if (s->spec.method == PD_SPEC_NGRAM) {
+      cap = pd_spec_ngram_propose(pd_kv_seq_tokens(q->kv), n, s->spec.ngram_min,
+                                  s->spec.ngram_max, cap, q->draft);
+      if (cap <= 0) continue;
+    }
+    s->cand[nc] = q;
+    s->plan[nc++] = cap;
+  }
+  if (nc == 0) return PD_OK;
+  int k = choose_k(s, nc, n_decode);
+  if (k <= 0) return PD_OK;
+  for (int i = 0; i < nc; i++)
+    if (s->plan[i] > k) s->plan[i] = k;
+  double t0 = now_s();
+  if (s->spec.method == PD_SPEC_DRAFT) {
+    pd_status st = draft_propose(s, nc, e);
+    if (st != PD_OK) return st;
+  } else {
+    for (int i = 0; i < nc; i++) s->cand[i]->n_draft = s->plan[i];
+  }
+  s->st.spec_draft_seconds += now_s() - t0;
+  for (int i = 0; i < nc; i++) {
+    sseq *q = s->cand[i];
+    if (q->n_draft <= 0) continue;
+    pd_status st = pd_kv_seq_append_tokens(q->kv, q->draft, q->n_draft, e);
+    if (st != PD_OK) {
+      q->n_draft = 0;
+      return st;
+    }
+  }
+  return PD_OK;
+}
+
 static pd_status step_begin(pd_sched *s, bool *started, pd_err *e);
 static pd_status step_end(pd_sched *s, pd_err *e);
 
@@ -734,7 +1136,12 @@ pd_status pd_sched_step(pd_sched *s, pd_err *e) {
 
 static pd_status step_begin(pd_sched *s, bool *started, pd_err *e) {
   int ns = 0, nt = 0;
-  pd_status st = schedule(s, &ns, &nt, e);
+  pd_status st = PD_OK;
+  if (s->spec.method != PD_SPEC_NONE && (st = propose(s, e)) != PD_OK) {
+    for (int i = 0; i < s->running.n; i++) drop_drafts(s->running.v[i]);
+    return st;
+  }
+  st = schedule(s, &ns, &nt, e);
   if (st != PD_OK) return st;
   if (ns == 0) {
     /* Blocks are held only by running sequences; with none scheduled and none running,
@@ -792,7 +1199,11 @@ static pd_status step_begin(pd_sched *s, bool *started, pd_err *e) {
     }
     q->sample_row = -1;
     q->dev_row = -1;
-    if (c + n == pd_kv_seq_num_tokens(q->kv)) {
+    q->c0 = c;
+    if (q->n_draft > 0) { /* verification: every row to the host */
+      q->sample_row = n_rows;
+      for (int i = 0; i < n; i++) s->rows[n_rows++] = off + i;
+    } else if (c + n == pd_kv_seq_num_tokens(q->kv)) {
       /* On the device unless the row also feeds the forks of n > 1 (sampled on the host). */
       if (s->dev_sample && !(r->n > 1 && !r->forked)) {
         q->dev_row = 0; /* numbered below, after the host rows */
@@ -823,6 +1234,13 @@ static pd_status step_begin(pd_sched *s, bool *started, pd_err *e) {
                         .sample = s->specs, .edits = s->edits, .n_edits = n_edits,
                         .sample_out = s->outs};
   s->n_sched = ns;
+  s->step_verifies = false;
+  s->last_prompt_tokens = 0;
+  for (int j = 0; j < ns; j++) {
+    if (s->sched[j]->n_draft > 0) s->step_verifies = true;
+    else if (!decoding(s->sched[j])) s->last_prompt_tokens += s->sched[j]->n_new;
+  }
+  s->eng_t0 = pd_engine_forward_seconds(s->eng);
   st = pd_engine_submit(s->eng, &s->batch, e);
   if (st != PD_OK) return st;
   *started = true;
@@ -836,10 +1254,19 @@ static pd_status step_end(pd_sched *s, pd_err *e) {
   if (st != PD_OK) return st;
   s->st.steps++;
   s->st.batched_tokens += (uint64_t)s->batch.n_tokens;
+  if (s->spec.method != PD_SPEC_NONE) {
+    double dt = pd_engine_forward_seconds(s->eng) - s->eng_t0;
+    pd_spec_timing_add(&s->t_target, s->batch.n_tokens, dt, s->st.steps);
+    if (s->step_verifies) {
+      s->st.spec_verify_seconds += dt;
+      s->st.spec_verify_steps++;
+    }
+  }
 
   /* commit, then sample. Forks happen before their parent's token is appended. */
   for (int j = 0; j < ns; j++) {
     sseq *q = s->sched[j];
+    if (q->n_draft > 0) continue; /* committed as far as verified, in emit_spec */
     st = pd_kv_seq_commit(q->kv, q->n_new, e);
     if (st != PD_OK) return st;
     sreq *r = q->req;
@@ -855,6 +1282,11 @@ static pd_status step_end(pd_sched *s, pd_err *e) {
   for (int j = 0; j < ns; j++) {
     sseq *q = s->sched[j];
     if (q->req->aborted) continue;
+    if (q->n_draft > 0) {
+      st = emit_spec(s, q, s->logits + (size_t)q->sample_row * s->V, e); /* may free q */
+      if (st != PD_OK) return st;
+      continue;
+    }
     if (q->dev_row >= 0) {
       st = emit_dev(s, q, &s->outs[q->dev_row], e); /* may free q */
       if (st != PD_OK) return st;

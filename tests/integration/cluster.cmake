@@ -6,7 +6,7 @@ if(TARGET pd-router AND TARGET pd-prefill AND TARGET pd-decode)
   find_program(PD_PYTHON3 python3)
   if(PD_PYTHON3)
     foreach(t cluster_api cluster_load cluster_faults router_resets cluster_device_fault
-            router_big_prompts router_idle_flood cluster_openai cluster_unified)
+            router_big_prompts router_idle_flood cluster_openai cluster_unified cluster_spec)
       add_test(NAME test_${t}
                COMMAND ${PD_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_${t}.py --build ${CMAKE_BINARY_DIR})
       set_tests_properties(test_${t} PROPERTIES LABELS integration TIMEOUT 300

@@ -34,6 +34,12 @@ typedef struct pd_runtime_opts {
   bool enforce_eager;   /* GPU: no graph replay of decode steps */
   bool no_device_sampling; /* GPU: sample on the host (copies every logits row back) */
   bool profile_gpu;        /* GPU: per-op timers, reported to stderr at exit (--profile-gpu) */
+  /* speculative decoding */
+  const char *speculative_model;  /* draft model folder (--speculative-model) */
+  const char *speculative_method; /* "draft" (with a model), "ngram"; NULL = by the model */
+  int num_speculative_tokens;     /* k, the most proposals per step (4) */
+  const char *speculative_adaptive; /* "on" (default) or "off": fixed k */
+  int ngram_min, ngram_max;       /* n-gram match lengths (2, 4) */
 } pd_runtime_opts;
 
 void pd_runtime_opts_default(pd_runtime_opts *o);
@@ -51,7 +57,18 @@ typedef struct pd_runtime {
   pd_sched *sched;
   int32_t eos[PD_MAX_EOS + 1];
   int n_eos;
+  /* speculative decoding (spec.method PD_SPEC_NONE: off); the draft method's own model,
+   * backend, engine and block pool */
+  pd_spec_config spec;
+  pd_model *draft_model;
+  pd_backend *draft_be;
+  pd_engine *draft_eng;
+  pd_kv_pool *draft_pool;
 } pd_runtime;
+
+/* Resolves the speculative options into *out (method NONE when off) without loading
+ * anything; PD_EINVAL with a message for a bad combination. */
+pd_status pd_runtime_spec_config(const pd_runtime_opts *o, pd_spec_config *out, pd_err *e);
 
 pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_event_fn on_event,
                           void *user, pd_err *e);

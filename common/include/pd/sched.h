@@ -28,6 +28,7 @@
 #include "pd/engine.h"
 #include "pd/kvcache.h"
 #include "pd/sample.h"
+#include "pd/spec.h"
 #include "pd/status.h"
 
 #ifdef __cplusplus
@@ -44,6 +45,17 @@ typedef struct pd_sched_opts {
                                 <= 0: up to max_batch_tokens */
   const int32_t *eos_ids; /* end-of-text ids of the model (copied) */
   int n_eos;
+  /* Speculative decoding (NULL or method PD_SPEC_NONE: off; copied). Decoding sequences
+   * propose up to num_tokens tokens (n-gram lookup or the draft model's k autoregressive
+   * steps, all speculating sequences together), and the step's one forward pass verifies them
+   * beside the other sequences' tokens and prefill chunks: greedy keeps the longest prefix the
+   * target's argmax agrees with, sampling uses exact rejection sampling (pd_spec_verify), and
+   * the target's token after the accepted run is emitted too. Rejected positions are rolled
+   * back (pd_kv_seq_truncate); only verified tokens are committed, so only they can enter the
+   * prefix cache. Unless `fixed`, the number of proposals per step follows each sequence's
+   * measured acceptance and the measured step times (speculation is turned down or off where
+   * it would not pay). */
+  const pd_spec_config *spec;
 } pd_sched_opts;
 
 /* What a step produced for one sequence (sample `index` of request `id`). */
@@ -88,6 +100,14 @@ typedef struct pd_sched_stats {
   uint64_t steps, preemptions, forks;
   uint64_t prompt_tokens, generated_tokens, cached_prompt_tokens;
   uint64_t batched_tokens; /* tokens through the forward, all steps */
+  /* speculative decoding */
+  uint64_t spec_verified;   /* sequence-steps that verified proposals */
+  uint64_t spec_proposed, spec_accepted; /* proposal tokens, and those accepted */
+  uint64_t spec_emitted_hist[PD_SPEC_MAX_K + 2]; /* [j]: verifications that emitted j tokens */
+  uint64_t spec_draft_steps;  /* forward passes of the draft model */
+  double spec_draft_seconds;  /* wall time of the proposals (draft forwards and sampling) */
+  double spec_verify_seconds; /* engine time of the steps that verified proposals */
+  uint64_t spec_verify_steps;
 } pd_sched_stats;
 
 pd_sched *pd_sched_create(pd_engine *eng, pd_kv_pool *pool, const pd_sched_opts *o,

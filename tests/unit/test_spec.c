@@ -1,0 +1,470 @@
+/* Speculative decoding in the scheduler, on the bundled pycoder-12m with pycoder-draft-2m:
+ *   - n-gram proposals (longest match first, most recent, periodic continuation) and the
+ *     adaptive policy's timing model;
+ *   - greedy ids and finish reasons are bit-identical to plain decoding on the CPU (logprobs
+ *     equal to float rounding) for the draft and the n-gram methods, fixed and adaptive, in mixed batches of
+ *     prompts of many lengths, with preemption (a small KV cache), with n > 1, with stop
+ *     tokens and max_tokens falling inside an accepted run;
+ *   - both block pools hold nothing at the end (rollbacks across block boundaries leak no
+ *     block), and speculation did happen (proposals were accepted);
+ *   - sampled output has the target's distribution: a two-sample chi-square test of the
+ *     second and third tokens over many seeds (top-k 4, so the vocabulary is small), plain
+ *     against speculative, for both methods;
+ *   - a draft with another tokenizer is refused with a clear error. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "pd/runtime.h"
+#include "pd/spec.h"
+#include "pd_test.h"
+
+#if defined(__SANITIZE_ADDRESS__) || defined(PD_SANITIZED)
+#define N_SEEDS 600
+#else
+#define N_SEEDS 2000
+#endif
+
+#define MAX_REQ 2100
+#define MAX_OUT 48
+#define MAX_N 2
+
+typedef struct out {
+  int32_t ids[MAX_N][MAX_OUT];
+  float lp[MAX_N][MAX_OUT];
+  int n[MAX_N];
+  pd_finish_reason fin[MAX_N];
+} out;
+
+static out g_out[MAX_REQ];
+
+static void on_event(void *user, const pd_sched_event *ev) {
+  (void)user;
+  out *o = &g_out[ev->id];
+  if (ev->token >= 0 && o->n[ev->index] < MAX_OUT) {
+    int k = o->n[ev->index]++;
+    o->ids[ev->index][k] = ev->token;
+    o->lp[ev->index][k] = ev->logprobs ? ev->logprobs->logprob : NAN;
+  }
+  o->fin[ev->index] = ev->finish;
+}
+
+typedef struct setup {
+  const char *name;
+  const char *method; /* NULL: plain */
+  bool fixed;
+  int k;
+  int kv_tokens;
+} setup;
+
+static void open_rt(pd_runtime *rt, const setup *su) {
+  pd_runtime_opts o;
+  pd_runtime_opts_default(&o);
+  o.model_dir = PD_TEST_DATA "/models/pycoder-12m";
+  o.kv_cache_tokens = su->kv_tokens;
+  o.max_batch_tokens = 512;
+  o.max_seqs = 64;
+  if (su->method) {
+    o.speculative_method = su->method;
+    if (!strcmp(su->method, "draft")) o.speculative_model = PD_TEST_DATA "/models/pycoder-draft-2m";
+    o.speculative_adaptive = su->fixed ? "off" : "on";
+    o.num_speculative_tokens = su->k;
+    o.ngram_min = 1;
+    o.ngram_max = 3;
+  }
+  pd_err e = {0};
+  if (pd_runtime_open(rt, &o, on_event, NULL, &e) != PD_OK) {
+    fprintf(stderr, "runtime (%s): %s\n", su->name, e.msg);
+    exit(1);
+  }
+}
+
+static void run_all(pd_runtime *rt) {
+  pd_err e = {0};
+  int guard = 0;
+  while (pd_sched_has_work(rt->sched)) {
+    if (pd_sched_step(rt->sched, &e) != PD_OK) {
+      fprintf(stderr, "step: %s\n", e.msg);
+      exit(1);
+    }
+    REQUIRE(++guard < 200000);
+  }
+}
+
+static void check_pool_idle(pd_kv_pool *p, const char *what) {
+  if (!p) return;
+  pd_kv_stats st;
+  pd_kv_pool_stats(p, &st);
+  CHECKF(st.used == 0 && st.num_seqs == 0, "%s: %d blocks in use, %d sequences alive", what,
+         st.used, st.num_seqs);
+  pd_err e = {0};
+  CHECKF(pd_kv_pool_check(p, &e) == PD_OK, "%s: %s", what, e.msg);
+}
+
+static int32_t corpus[4096];
+static int corpus_n;
+
+static void make_corpus(pd_runtime *rt) {
+  const char *src =
+      "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+      "class Config(object):\n    def __init__(self, path):\n        self.path = path\n"
+      "        self.values = {}\n\n    def load(self):\n        with open(self.path) as f:\n"
+      "            for line in f:\n                key, _, value = line.partition('=')\n"
+      "                self.values[key.strip()] = value.strip()\n        return self.values\n\n";
+  char buf[8192] = "";
+  while (strlen(buf) + strlen(src) < sizeof buf) strcat(buf, src);
+  int32_t *ids;
+  size_t n;
+  pd_err e = {0};
+  REQUIRE(pd_tokenizer_encode(rt->tok, buf, strlen(buf), false, &ids, &n, &e) == PD_OK);
+  corpus_n = n > 4096 ? 4096 : (int)n;
+  REQUIRE(corpus_n > 600);
+  memcpy(corpus, ids, (size_t)corpus_n * sizeof *ids);
+  free(ids);
+}
+
+/* ---- the greedy workload ---- */
+
+enum { N_GREEDY = 24 };
+
+static pd_sampling_params greedy_params(int i) {
+  pd_sampling_params p;
+  pd_sampling_params_init(&p);
+  p.temperature = 0;
+  p.max_tokens = i % 5 == 3 ? 5 + i % 7 : MAX_OUT; /* some end inside a run */
+  p.ignore_eos = true;
+  p.logprobs = 1;
+  p.n = i % 8 == 5 ? 2 : 1;
+  return p;
+}
+
+static int greedy_len(int i) { return 1 + (i * 53) % 500; }
+static const int32_t *greedy_prompt(int i) { return corpus + (i * 29) % 100; }
+
+static void add_greedy(pd_runtime *rt, const int32_t *stop, int n_stop) {
+  pd_err e = {0};
+  for (int i = 0; i < N_GREEDY; i++) {
+    pd_sampling_params p = greedy_params(i);
+    if (n_stop && i % 3 == 0) { /* a stop token taken from the plain output */
+      p.stop_token_ids = &stop[i];
+      p.n_stop_token_ids = 1;
+      p.ignore_eos = false;
+    }
+    CHECKF(pd_sched_add(rt->sched, (uint64_t)i, greedy_prompt(i), greedy_len(i), &p, &e) == PD_OK,
+           "%s", e.msg);
+  }
+}
+
+static void compare_greedy(const out *ref, const char *what) {
+  for (int i = 0; i < N_GREEDY; i++) {
+    const out *a = &ref[i], *b = &g_out[i];
+    for (int s = 0; s < greedy_params(i).n; s++) {
+      CHECKF(a->n[s] == b->n[s], "%s: request %d/%d: %d tokens against %d", what, i, s, b->n[s],
+             a->n[s]);
+      CHECKF(a->fin[s] == b->fin[s], "%s: request %d/%d: finish %d against %d", what, i, s,
+             b->fin[s], a->fin[s]);
+      for (int t = 0; t < a->n[s] && t < b->n[s]; t++) {
+        /* ids bit for bit; logprobs to float rounding (the CPU kernels' summation order
+         * depends on how many rows a step has, so the last bits of a logit do too) */
+        if (a->ids[s][t] != b->ids[s][t] ||
+            !(fabsf(a->lp[s][t] - b->lp[s][t]) <= 1e-5f * (1.0f + fabsf(a->lp[s][t])))) {
+          CHECKF(0, "%s: request %d/%d token %d: %d (logprob %.9g) against %d (%.9g)", what, i, s,
+                 t, b->ids[s][t], b->lp[s][t], a->ids[s][t], a->lp[s][t]);
+          break;
+        }
+      }
+    }
+  }
+}
+
+/* ---- the sampled workload ---- */
+
+static pd_sampling_params sampled_params(uint64_t seed) {
+  pd_sampling_params p;
+  pd_sampling_params_init(&p);
+  p.temperature = 1.0f;
+  p.top_k = 4;
+  p.max_tokens = 3;
+  p.ignore_eos = true;
+  p.seed = seed;
+  p.has_seed = true;
+  return p;
+}
+
+/* Joint counts of (token 2, token 3) for N_SEEDS seeded requests of one prompt. */
+typedef struct hist {
+  int32_t key[64 * 64];
+  int cnt[64 * 64];
+  int n;
+} hist;
+
+static void count(hist *h, int32_t a, int32_t b) {
+  int32_t k = a * 4096 + b;
+  for (int i = 0; i < h->n; i++)
+    if (h->key[i] == k) {
+      h->cnt[i]++;
+      return;
+    }
+  REQUIRE(h->n < 64 * 64);
+  h->key[h->n] = k;
+  h->cnt[h->n++] = 1;
+}
+
+static void sample_run(const setup *su, const int32_t *prompt, int n_prompt, hist *h,
+                       pd_sched_stats *st) {
+  pd_runtime rt;
+  open_rt(&rt, su);
+  memset(g_out, 0, sizeof g_out);
+  pd_err e = {0};
+  for (int i = 0; i < N_SEEDS; i++) {
+    pd_sampling_params p = sampled_params(1000 + (uint64_t)i * 7919);
+    CHECKF(pd_sched_add(rt.sched, (uint64_t)i, prompt, n_prompt, &p, &e) == PD_OK, "%s", e.msg);
+  }
+  run_all(&rt);
+  memset(h, 0, sizeof *h);
+  for (int i = 0; i < N_SEEDS; i++) {
+    REQUIRE(g_out[i].n[0] == 3);
+    count(h, g_out[i].ids[0][1], g_out[i].ids[0][2]);
+  }
+  pd_sched_get_stats(rt.sched, st);
+  check_pool_idle(rt.pool, su->name);
+  check_pool_idle(rt.draft_pool, su->name);
+  pd_runtime_close(&rt);
+}
+
+/* Two-sample chi-square over the union of categories (rare ones pooled); returns the
+ * statistic and its degrees of freedom. */
+static double chi2_two_sample(const hist *a, const hist *b, int *df) {
+  int32_t keys[2 * 64 * 64];
+  int nk = 0;
+  for (int i = 0; i < a->n; i++) keys[nk++] = a->key[i];
+  for (int i = 0; i < b->n; i++) {
+    bool seen = false;
+    for (int j = 0; j < a->n && !seen; j++) seen = a->key[j] == b->key[i];
+    if (!seen) keys[nk++] = b->key[i];
+  }
+  double x2 = 0, pa = 0, pb = 0;
+  int cats = 0;
+  for (int i = 0; i < nk; i++) {
+    double ca = 0, cb = 0;
+    for (int j = 0; j < a->n; j++)
+      if (a->key[j] == keys[i]) ca = a->cnt[j];
+    for (int j = 0; j < b->n; j++)
+      if (b->key[j] == keys[i]) cb = b->cnt[j];
+    if (ca + cb < 10) { /* pooled */
+      pa += ca;
+      pb += cb;
+      continue;
+    }
+    x2 += (ca - cb) * (ca - cb) / (ca + cb);
+    cats++;
+  }
+  if (pa + pb > 0) {
+    x2 += (pa - pb) * (pa - pb) / (pa + pb);
+    cats++;
+  }
+  *df = cats - 1;
+  return x2;
+}
+
+/* The chi-square quantile at upper tail 1e-4 (Wilson-Hilferty). */
+static double chi2_crit(int df) {
+  const double z = 3.719; /* standard normal upper 1e-4 */
+  double h = 2.0 / (9.0 * df);
+  double c = 1 - h + z * sqrt(h);
+  return df * c * c * c;
+}
+
+int main(void) {
+  /* 1. n-gram proposals */
+  {
+    int32_t out[8];
+    const int32_t t1[] = {5, 6, 7, 8, 1, 2, 5, 6, 7};
+    CHECK(pd_spec_ngram_propose(t1, 9, 1, 3, 3, out) == 3); /* "5 6 7" matched at 0 */
+    CHECK(out[0] == 8 && out[1] == 1 && out[2] == 2);
+    const int32_t t2[] = {1, 9, 3, 2, 9, 4, 9};
+    CHECK(pd_spec_ngram_propose(t2, 7, 1, 3, 2, out) == 2); /* only "9": the most recent, at 4 */
+    CHECK(out[0] == 4 && out[1] == 9);
+    CHECK(pd_spec_ngram_propose(t2, 7, 2, 3, 2, out) == 0); /* no 2-gram "4 9" earlier */
+    const int32_t t3[] = {7, 7, 7, 7};
+    CHECK(pd_spec_ngram_propose(t3, 4, 1, 3, 5, out) == 5); /* period 1 continues */
+    for (int i = 0; i < 5; i++) CHECK(out[i] == 7);
+    const int32_t t4[] = {1, 2, 3, 1, 2, 3, 1, 2};
+    CHECK(pd_spec_ngram_propose(t4, 8, 2, 2, 4, out) == 4); /* "1 2" at 3: 3, then period 3 */
+    CHECK(out[0] == 3 && out[1] == 1 && out[2] == 2 && out[3] == 3);
+    CHECK(pd_spec_ngram_propose(t4, 1, 1, 3, 4, out) == 0);
+  }
+  /* 2. the timing model */
+  {
+    pd_spec_timing tm;
+    memset(&tm, 0, sizeof tm);
+    CHECK(pd_spec_timing_estimate(&tm, 5, 1) == 0);
+    pd_spec_timing_add(&tm, 1, 1e-3, 1);
+    pd_spec_timing_add(&tm, 2, 2e-3, 2);
+    CHECK(fabs(pd_spec_timing_estimate(&tm, 1, 1) - 1e-3) < 1e-12);
+    CHECK(fabs(pd_spec_timing_estimate(&tm, 2, 1) - 2e-3) < 1e-12);
+    CHECK(fabs(pd_spec_timing_estimate(&tm, 6, 1) - 2e-3) < 1e-12); /* unmeasured: optimistic */
+    pd_spec_timing_add(&tm, 4, 4e-3, 3);
+    CHECK(fabs(pd_spec_timing_estimate(&tm, 3, 1) - 3e-3) < 1e-12); /* interpolated */
+    CHECK(fabs(pd_spec_timing_estimate(&tm, 4, 3) - 4e-3) < 1e-12);
+    CHECK(fabs(pd_spec_timing_estimate(&tm, 4, 4) - 0) < 1e-12); /* all stale */
+    CHECK(pd_spec_timing_fresh(&tm, 5, 3) && !pd_spec_timing_fresh(&tm, 1, 2));
+    CHECK(fabs(pd_spec_expected_tokens(0.5, 3) - 1.875) < 1e-12);
+  }
+
+  /* 3. greedy: plain, then every speculative setup, bit for bit */
+  static out ref[N_GREEDY];
+  static int32_t stop[N_GREEDY];
+  const setup plain = {"plain", NULL, false, 0, 0};
+  pd_runtime rt;
+  open_rt(&rt, &plain);
+  make_corpus(&rt);
+  memset(g_out, 0, sizeof g_out);
+  add_greedy(&rt, NULL, 0);
+  run_all(&rt);
+  /* stop tokens: each third request stops at the token it emitted 7th */
+  for (int i = 0; i < N_GREEDY; i++) stop[i] = g_out[i].n[0] > 7 ? g_out[i].ids[0][7] : 1;
+  memset(g_out, 0, sizeof g_out);
+  add_greedy(&rt, stop, N_GREEDY);
+  run_all(&rt);
+  memcpy(ref, g_out, sizeof ref);
+  pd_runtime_close(&rt);
+  int stopped = 0;
+  for (int i = 0; i < N_GREEDY; i++) stopped += ref[i].fin[0] == PD_FINISH_STOP;
+  CHECKF(stopped >= 4, "only %d requests met their stop token", stopped);
+
+  const setup setups[] = {
+      {"draft, k 4, fixed", "draft", true, 4, 0},
+      {"draft, adaptive", "draft", false, 5, 0},
+      {"ngram, k 4, fixed", "ngram", true, 4, 0},
+      {"ngram, adaptive", "ngram", false, 4, 0},
+      {"draft, k 7, small cache", "draft", true, 7, 1200},
+      {"ngram, k 6, small cache", "ngram", true, 6, 1200},
+  };
+  for (size_t k = 0; k < sizeof setups / sizeof setups[0]; k++) {
+    const setup *su = &setups[k];
+    open_rt(&rt, su);
+    memset(g_out, 0, sizeof g_out);
+    add_greedy(&rt, stop, N_GREEDY);
+    run_all(&rt);
+    compare_greedy(ref, su->name);
+    pd_sched_stats st;
+    pd_sched_get_stats(rt.sched, &st);
+    printf("%-24s %5llu steps, %5llu verified, %5llu proposed, %5llu accepted, %llu preemptions\n",
+           su->name, (unsigned long long)st.steps, (unsigned long long)st.spec_verified,
+           (unsigned long long)st.spec_proposed, (unsigned long long)st.spec_accepted,
+           (unsigned long long)st.preemptions);
+    CHECKF(st.spec_verified > 0 && st.spec_accepted > 0, "%s: nothing was accepted", su->name);
+    if (su->fixed) CHECKF(st.spec_accepted * 5 > st.spec_proposed, "%s: acceptance under 20%%", su->name);
+    if (su->kv_tokens) CHECKF(st.preemptions > 0, "%s: no preemption", su->name);
+    uint64_t hist_sum = 0;
+    for (int j = 0; j < PD_SPEC_MAX_K + 2; j++) hist_sum += st.spec_emitted_hist[j];
+    CHECK(hist_sum == st.spec_verified && st.spec_emitted_hist[0] == 0);
+    check_pool_idle(rt.pool, su->name);
+    check_pool_idle(rt.draft_pool, su->name);
+    pd_runtime_close(&rt);
+  }
+
+  /* 4. sampling: the distribution of tokens 2 and 3 is the target's */
+  {
+    static hist h_plain, h_spec;
+    pd_sched_stats st;
+    const int32_t *prompt = corpus + 40;
+    const int n_prompt = 200; /* repetitive code: n-gram proposals find matches */
+    sample_run(&plain, prompt, n_prompt, &h_plain, &st);
+    const setup ss[] = {{"sampled draft", "draft", true, 3, 0},
+                        {"sampled ngram", "ngram", true, 3, 0}};
+    for (int k = 0; k < 2; k++) {
+      sample_run(&ss[k], prompt, n_prompt, &h_spec, &st);
+      int df;
+      double x2 = chi2_two_sample(&h_plain, &h_spec, &df);
+      printf("%s: chi-square %.1f with %d degrees of freedom (critical %.1f); %llu proposed, "
+             "%llu accepted\n",
+             ss[k].name, x2, df, chi2_crit(df > 0 ? df : 1),
+             (unsigned long long)st.spec_proposed, (unsigned long long)st.spec_accepted);
+      CHECK(df >= 3);
+      CHECKF(x2 < chi2_crit(df), "%s: chi-square %.1f over %.1f (df %d)", ss[k].name, x2,
+             chi2_crit(df), df);
+      CHECKF(st.spec_accepted > 0 && st.spec_accepted < st.spec_proposed,
+             "%s: %llu of %llu accepted", ss[k].name, (unsigned long long)st.spec_accepted,
+             (unsigned long long)st.spec_proposed);
+    }
+    /* the test can fail: the draft's own distribution is not the target's */
+    pd_runtime_opts o;
+    pd_runtime_opts_default(&o);
+    o.model_dir = PD_TEST_DATA "/models/pycoder-draft-2m";
+    o.max_seqs = 64;
+    o.max_batch_tokens = 512;
+    pd_runtime drt;
+    pd_err e = {0};
+    REQUIRE(pd_runtime_open(&drt, &o, on_event, NULL, &e) == PD_OK);
+    memset(g_out, 0, sizeof g_out);
+    for (int i = 0; i < N_SEEDS; i++) {
+      pd_sampling_params p = sampled_params(1000 + (uint64_t)i * 7919);
+      REQUIRE(pd_sched_add(drt.sched, (uint64_t)i, prompt, n_prompt, &p, &e) == PD_OK);
+    }
+    run_all(&drt);
+    memset(&h_spec, 0, sizeof h_spec);
+    for (int i = 0; i < N_SEEDS; i++) count(&h_spec, g_out[i].ids[0][1], g_out[i].ids[0][2]);
+    pd_runtime_close(&drt);
+    int df;
+    double x2 = chi2_two_sample(&h_plain, &h_spec, &df);
+    printf("draft alone: chi-square %.1f with %d degrees of freedom (critical %.1f)\n", x2, df,
+           chi2_crit(df > 0 ? df : 1));
+    CHECKF(x2 > chi2_crit(df), "the draft's own samples pass as the target's (%.1f)", x2);
+  }
+
+  /* 5. a draft with another tokenizer, and bad options */
+  {
+    pd_runtime_opts o;
+    pd_runtime_opts_default(&o);
+    o.model_dir = PD_TEST_DATA "/models/pycoder-12m";
+    /* the draft model with one special token spelled otherwise */
+    char dir[] = "/tmp/pd-test-spec-XXXXXX";
+    REQUIRE(mkdtemp(dir));
+    const char *links[] = {"config.json", "model.safetensors", "tokenizer_config.json"};
+    char path[512], target[512];
+    for (int i = 0; i < 3; i++) {
+      snprintf(path, sizeof path, "%s/%s", dir, links[i]);
+      snprintf(target, sizeof target, "%s/models/pycoder-draft-2m/%s", PD_TEST_DATA, links[i]);
+      REQUIRE(symlink(target, path) == 0);
+    }
+    size_t len = 0;
+    char *tj = pd_test_read_file(PD_TEST_DATA "/models/pycoder-draft-2m/tokenizer.json", &len);
+    REQUIRE(tj);
+    char *at = strstr(tj, "<|im_start|>");
+    REQUIRE(at);
+    memcpy(at, "<|im_begin|>", 12);
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    FILE *f = fopen(path, "wb");
+    REQUIRE(f && fwrite(tj, 1, len, f) == len && fclose(f) == 0);
+    free(tj);
+    o.speculative_model = dir;
+    pd_err e = {0};
+    CHECK(pd_runtime_open(&rt, &o, on_event, NULL, &e) == PD_EINVAL);
+    CHECKF(strstr(e.msg, "tokenizer"), "%s", e.msg);
+    const char *all[] = {"config.json", "model.safetensors", "tokenizer_config.json",
+                         "tokenizer.json"};
+    for (int i = 0; i < 4; i++) {
+      snprintf(path, sizeof path, "%s/%s", dir, all[i]);
+      unlink(path);
+    }
+    rmdir(dir);
+    o.speculative_model = NULL;
+    o.speculative_method = "ngram";
+    o.ngram_min = 3;
+    o.ngram_max = 2;
+    CHECK(pd_runtime_open(&rt, &o, on_event, NULL, &e) == PD_EINVAL);
+    o.ngram_min = 1;
+    o.num_speculative_tokens = PD_SPEC_MAX_K + 1;
+    CHECK(pd_runtime_open(&rt, &o, on_event, NULL, &e) == PD_EINVAL);
+    o.num_speculative_tokens = 4;
+    o.speculative_method = "medusa";
+    CHECK(pd_runtime_open(&rt, &o, on_event, NULL, &e) == PD_EINVAL);
+    CHECKF(strstr(e.msg, "medusa"), "%s", e.msg);
+    o.speculative_method = "draft";
+    CHECK(pd_runtime_open(&rt, &o, on_event, NULL, &e) == PD_EINVAL);
+  }
+  return pd_test_finish("test_spec");
+}
