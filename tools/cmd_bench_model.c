@@ -10,8 +10,17 @@
  *                  chunk too: not a decode step, even where the others all decoded
  *   total tok/s:   all generated tokens / the whole run (offline throughput)
  *   steps:         the decode steps counted (in the run whose decode tok/s is reported)
- * Best of --repeat runs. Prefix caching is off so repeated runs measure real work. */
+ * Best of --repeat runs. Prefix caching is off so repeated runs measure real work.
+ *
+ * With speculative options (--speculative-model, --speculative-method) every batch runs twice,
+ * without and with speculation, and a second table compares them: output tok/s after the last
+ * prefill (tokens generated once every request had its first token, over the time from then to
+ * the end), the speedup, the acceptance rate and the tokens per verification. Random prompts
+ * make acceptance low: --prompt-file takes the prompts from a file instead (JSON Lines, one
+ * prompt text per line; sequence s gets line s mod the number of lines; --prompt-len is then
+ * unused). */
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +32,8 @@ typedef struct result {
   int batch;
   double prefill_tps, decode_tps, total_tps, step_ms, engine_ms;
   long long decode_steps; /* the decode steps behind decode_tps (its run's) */
+  double gen_tps;          /* tokens generated after the last first token / the time since */
+  pd_sched_stats ss;       /* the scheduler's counters over all runs */
 } result;
 
 typedef struct counter {
@@ -42,13 +53,22 @@ static void on_event(void *user, const pd_sched_event *ev) {
   }
 }
 
+typedef struct prompts {
+  int32_t **ids;
+  int *len;
+  int n;
+} prompts;
+
 static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int repeat,
-                   result *out, const char **isa) {
+                   const prompts *pf, result *out, const char **isa) {
   counter cnt = {0};
   pd_runtime rt;
   pd_err e = {0};
   ro.max_seqs = batch;
   ro.no_prefix_cache = true;
+  if (pf)
+    for (int i = 0; i < pf->n; i++)
+      if (pf->len[i] > prompt_len) prompt_len = pf->len[i];
   if (!ro.kv_cache_tokens) ro.kv_cache_tokens = batch * (prompt_len + gen + 16);
   if (pd_runtime_open(&rt, &ro, on_event, &cnt, &e) != PD_OK) return pdctl_fail("%s", e.msg);
   *isa = strcmp(rt.be->ops.name, "cpu") == 0 ? pd_backend_cpu_isa(rt.be) : rt.be->ops.name;
@@ -61,11 +81,17 @@ static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int r
   out->batch = batch;
   uint64_t next_id = 0;
   for (int rep = 0; rep < repeat; rep++) {
+    long long prompt_tokens = 0;
     cnt.base = next_id;
     cnt.n_first = 0;
     memset(cnt.seen, 0, (size_t)batch);
     for (int s = 0; s < batch; s++) {
-      for (int i = 0; i < prompt_len; i++) {
+      int n_prompt = prompt_len;
+      if (pf) {
+        n_prompt = pf->len[s % pf->n];
+        memcpy(prompt, pf->ids[s % pf->n], (size_t)n_prompt * sizeof *prompt);
+      }
+      for (int i = 0; !pf && i < prompt_len; i++) {
         seed = seed * 1103515245u + 12345u;
         prompt[i] = (int32_t)((seed >> 8) % (unsigned)V);
       }
@@ -74,11 +100,13 @@ static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int r
       p.temperature = 0;
       p.max_tokens = gen;
       p.ignore_eos = true;
-      if (pd_sched_add(rt.sched, next_id++, prompt, prompt_len, &p, &e) != PD_OK)
+      prompt_tokens += n_prompt;
+      if (pd_sched_add(rt.sched, next_id++, prompt, n_prompt, &p, &e) != PD_OK)
         return pdctl_fail("%s", e.msg);
     }
     cnt.generated = 0;
     double t0 = pdctl_now(), t1 = 0, full_time = 0, full_engine = 0;
+    uint64_t gen_t1 = 0;
     uint64_t full_tokens = 0, full_steps = 0;
     while (pd_sched_has_work(rt.sched)) {
       uint64_t before = cnt.generated;
@@ -92,10 +120,13 @@ static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int r
         full_tokens += (uint64_t)batch;
         full_steps++;
       }
-      if (!t1 && cnt.n_first == batch) t1 = pdctl_now(); /* every request has its first token */
+      if (!t1 && cnt.n_first == batch) { /* every request has its first token */
+        t1 = pdctl_now();
+        gen_t1 = cnt.generated;
+      }
     }
     double t2 = pdctl_now();
-    double p = (double)batch * prompt_len / (t1 - t0);
+    double p = (double)prompt_tokens / (t1 - t0);
     double d = full_time > 0 ? (double)full_tokens / full_time : 0;
     double tot = (double)cnt.generated / (t2 - t0);
     if (p > out->prefill_tps) out->prefill_tps = p;
@@ -106,7 +137,10 @@ static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int r
       out->decode_steps = (long long)full_steps;
     }
     if (tot > out->total_tps) out->total_tps = tot;
+    double g = t2 > t1 ? (double)(cnt.generated - gen_t1) / (t2 - t1) : 0;
+    if (g > out->gen_tps) out->gen_tps = g;
   }
+  pd_sched_get_stats(rt.sched, &out->ss);
   free(prompt);
   free(cnt.seen);
   pd_runtime_close(&rt);
@@ -117,7 +151,7 @@ int cmd_bench_model(int argc, char **argv) {
   pd_runtime_opts ro;
   pd_runtime_opts_default(&ro);
   ro.kv_cache_tokens = 0;
-  const char *model = NULL, *batches = "1";
+  const char *model = NULL, *batches = "1", *prompt_file = NULL;
   int prompt_len = 512, gen = 128, repeat = 3;
   bool json = false, help = false;
   pd_opt opts[64] = {
@@ -126,6 +160,8 @@ int cmd_bench_model(int argc, char **argv) {
       {"prompt-len", PD_OPT_INT, &prompt_len, "N", "prompt tokens per sequence (512)", NULL},
       {"decode-tokens", PD_OPT_INT, &gen, "N", "tokens generated per sequence (128)", NULL},
       {"repeat", PD_OPT_INT, &repeat, "N", "runs; the best is reported (3)", NULL},
+      {"prompt-file", PD_OPT_STR, &prompt_file, "FILE",
+       "prompts from this file (JSON Lines of prompt texts) instead of random ids", NULL},
       {"json", PD_OPT_BOOL, &json, NULL, "print JSON", NULL},
       {"help", PD_OPT_BOOL, &help, NULL, "show this help", NULL},
   };
@@ -146,6 +182,47 @@ int cmd_bench_model(int argc, char **argv) {
   size_t nb = 0;
   int32_t *bl = pdctl_parse_ids(batches, &nb, &e);
   if (!bl || nb == 0) return pdctl_fail("--batch: %s", bl ? "empty list" : e.msg);
+  pd_spec_config spec;
+  if (pd_runtime_spec_config(&ro, &spec, &e) != PD_OK) return pdctl_fail("%s", e.msg);
+  prompts pf = {0};
+  if (prompt_file) {
+    FILE *f = fopen(prompt_file, "r");
+    if (!f) return pdctl_fail("--prompt-file %s: %s", prompt_file, strerror(errno));
+    pd_tokenizer *tok = pd_tokenizer_load(model, &e);
+    if (!tok) return pdctl_fail("%s", e.msg);
+    char *line = NULL;
+    size_t cap = 0;
+    int lineno = 0;
+    while (getline(&line, &cap, f) > 0) {
+      lineno++;
+      cJSON *j = cJSON_Parse(line);
+      size_t n = 0;
+      int32_t *ids = NULL;
+      if (!cJSON_IsString(j) ||
+          pd_tokenizer_encode(tok, j->valuestring, strlen(j->valuestring), false, &ids, &n, &e) !=
+              PD_OK ||
+          n == 0) {
+        cJSON_Delete(j);
+        return pdctl_fail("--prompt-file %s:%d: expected a JSON string of a non-empty prompt",
+                          prompt_file, lineno);
+      }
+      cJSON_Delete(j);
+      pf.ids = realloc(pf.ids, (size_t)(pf.n + 1) * sizeof *pf.ids);
+      pf.len = realloc(pf.len, (size_t)(pf.n + 1) * sizeof *pf.len);
+      if (!pf.ids || !pf.len) return pdctl_fail("out of memory");
+      pf.ids[pf.n] = ids;
+      pf.len[pf.n++] = (int)n;
+    }
+    free(line);
+    fclose(f);
+    pd_tokenizer_free(tok);
+    if (!pf.n) return pdctl_fail("--prompt-file %s: no prompts", prompt_file);
+  }
+  pd_runtime_opts plain = ro;
+  plain.speculative_model = NULL;
+  plain.speculative_method = "none";
+  result *spec_res = calloc(nb, sizeof *spec_res), *plain_res = calloc(nb, sizeof *plain_res);
+  if (!spec_res || !plain_res) return pdctl_fail("out of memory");
   cJSON *arr = cJSON_CreateArray();
   const char *isa = "?";
   if (!json)
@@ -154,7 +231,13 @@ int cmd_bench_model(int argc, char **argv) {
   for (size_t i = 0; i < nb; i++) {
     if (bl[i] < 1) return pdctl_fail("--batch values must be positive");
     result res;
-    if (run_one(ro, bl[i], prompt_len, gen, repeat, &res, &isa)) return 1;
+    if (run_one(spec.method != PD_SPEC_NONE ? plain : ro, bl[i], prompt_len, gen, repeat, pf.n ? &pf : NULL,
+                &res, &isa))
+      return 1;
+    plain_res[i] = res;
+    if (spec.method != PD_SPEC_NONE &&
+        run_one(ro, bl[i], prompt_len, gen, repeat, pf.n ? &pf : NULL, &spec_res[i], &isa))
+      return 1;
     if (json) {
       cJSON *o = cJSON_CreateObject();
       cJSON_AddNumberToObject(o, "batch", res.batch);
@@ -164,6 +247,17 @@ int cmd_bench_model(int argc, char **argv) {
       cJSON_AddNumberToObject(o, "decode_ms_per_step", res.step_ms);
       cJSON_AddNumberToObject(o, "decode_engine_ms_per_step", res.engine_ms);
       cJSON_AddNumberToObject(o, "decode_steps", (double)res.decode_steps);
+      cJSON_AddNumberToObject(o, "output_tokens_per_s_after_prefill", res.gen_tps);
+      if (spec.method != PD_SPEC_NONE) {
+        const pd_sched_stats *ss = &spec_res[i].ss;
+        cJSON *sp = cJSON_AddObjectToObject(o, "speculative");
+        cJSON_AddNumberToObject(sp, "output_tokens_per_s_after_prefill", spec_res[i].gen_tps);
+        cJSON_AddNumberToObject(sp, "speedup", res.gen_tps > 0 ? spec_res[i].gen_tps / res.gen_tps : 0);
+        cJSON_AddNumberToObject(sp, "proposed", (double)ss->spec_proposed);
+        cJSON_AddNumberToObject(sp, "accepted", (double)ss->spec_accepted);
+        cJSON_AddNumberToObject(sp, "verifications", (double)ss->spec_verified);
+        cJSON_AddNumberToObject(sp, "total_tokens_per_s", spec_res[i].total_tps);
+      }
       cJSON_AddItemToArray(arr, o);
     } else {
       printf("%8d %15.0f %15.0f %15.0f %10.3f %10.3f %7lld\n", res.batch, res.prefill_tps,
@@ -186,8 +280,31 @@ int cmd_bench_model(int argc, char **argv) {
     printf("(%s backend, %s kernels, %d threads, prompt %d, %d generated per sequence, best "
            "of %d)\n",
            ro.device, isa, ro.threads, prompt_len, gen, repeat);
+    if (spec.method != PD_SPEC_NONE) {
+      printf("\nspeculative decoding (%s, k %d, adaptive %s): output tok/s after the last "
+             "prefill, without and with it, one run each, same prompts\n",
+             pd_spec_method_name(spec.method), spec.num_tokens, spec.fixed ? "off" : "on");
+      printf("%8s %12s %12s %8s %10s %12s %12s\n", "batch", "plain", "speculative", "speedup",
+             "accepted", "tokens/ver.", "verif. share");
+      for (size_t i = 0; i < nb; i++) {
+        const pd_sched_stats *ss = &spec_res[i].ss;
+        double emitted = 0;
+        for (int j = 0; j < PD_SPEC_MAX_K + 2; j++) emitted += (double)j * ss->spec_emitted_hist[j];
+        printf("%8d %12.0f %12.0f %7.2fx %9.1f%% %12.2f %11.1f%%\n", bl[i], plain_res[i].gen_tps,
+               spec_res[i].gen_tps,
+               plain_res[i].gen_tps > 0 ? spec_res[i].gen_tps / plain_res[i].gen_tps : 0,
+               ss->spec_proposed ? 100.0 * ss->spec_accepted / ss->spec_proposed : 0,
+               ss->spec_verified ? emitted / ss->spec_verified : 0,
+               ss->generated_tokens ? 100.0 * emitted / ss->generated_tokens : 0);
+      }
+    }
     cJSON_Delete(arr);
   }
   free(bl);
+  for (int i = 0; i < pf.n; i++) free(pf.ids[i]);
+  free(pf.ids);
+  free(pf.len);
+  free(spec_res);
+  free(plain_res);
   return 0;
 }

@@ -277,13 +277,19 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
   rt->pool = pd_kv_pool_create(&po, e);
   if (!rt->pool) goto fail;
   if (rt->spec.method == PD_SPEC_DRAFT) {
-    /* the draft: its own backend on the same device, an engine with the target's limits and
-     * a block pool with as many blocks (each much smaller) */
-    rt->draft_be = pd_backend_open(o->device, &bo, &gpu, e);
-    if (!rt->draft_be) goto fail;
+    /* the draft: an engine with the target's limits and a block pool with as many blocks
+     * (each much smaller) */
+    /* On the CPU the draft shares the model's backend (its thread pool: the two never run
+     * at once, and two pools would spin against each other on the same cores); a GPU draft
+     * gets a backend of its own (its own graphs and scratch). */
+    if (gpu) {
+      rt->draft_be = pd_backend_open(o->device, &bo, &gpu, e);
+      if (!rt->draft_be) goto fail;
+    }
     pd_engine_opts de = eo;
     de.no_device_sampling = true;
-    rt->draft_eng = pd_engine_create(rt->draft_model, rt->draft_be, &de, e);
+    rt->draft_eng =
+        pd_engine_create(rt->draft_model, rt->draft_be ? rt->draft_be : rt->be, &de, e);
     if (!rt->draft_eng) goto fail;
     pd_kv_pool_opts dpo = po;
     dpo.salt = o->speculative_model;

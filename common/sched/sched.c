@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <stdio.h>
 
 typedef struct sreq sreq;
 
@@ -86,8 +85,14 @@ struct pd_sched {
   int n_sched;    /* that step's sequences: sched[0 .. n_sched) */
   /* speculative decoding (spec.method != PD_SPEC_NONE) */
   pd_spec_config spec;
-  pd_spec_timing t_target, t_draft; /* step seconds by tokens: target steps, draft forwards */
-  int last_prompt_tokens;           /* prompt tokens of the last step */
+  pd_spec_policy policy;            /* the adaptive choice of k */
+  bool policy_step;                 /* this step's k came from the policy */
+  double step_t0;                   /* when the step began */
+  int step_tokens;                  /* tokens it emitted */
+  bool step_measured;               /* it counts for the policy (mostly decode) */
+  int step_decoding;                /* decoding sequences in the step */
+  uint64_t step_gen0;               /* generated_tokens before the step's emits */
+  double propose_s;                 /* the step's proposing time */
   double acc_a, acc_r;              /* decayed accepted and rejected counts, all sequences */
   bool step_verifies;               /* this step verifies proposals */
   double eng_t0;                    /* engine seconds at the step's submit */
@@ -149,6 +154,7 @@ static pd_status spec_init(pd_sched *s, const pd_spec_config *c, pd_err *e) {
     return pd_err_set(e, PD_EINVAL, "--ngram-min and --ngram-max: need 1 <= min <= max, not %d, %d",
                       c->ngram_min, c->ngram_max);
   s->spec = *c;
+  pd_spec_policy_init(&s->policy, c->num_tokens);
   size_t S = (size_t)s->max_seqs;
   s->cand = malloc(S * sizeof *s->cand);
   s->plan = malloc(S * sizeof *s->plan);
@@ -863,38 +869,17 @@ static double acceptance(const pd_sched *s, const sseq *q) {
   return (q->acc_a + 2.0 * g) / (q->acc_a + q->acc_r + 2.0);
 }
 
-/* How many proposals this step's speculating sequences make at most (0: none), from the
- * measured step times and each sequence's acceptance; cap[i] is what candidate i can take. */
-static int choose_k(pd_sched *s, int nc, int n_decode) {
-  const int K = s->spec.num_tokens;
-  if (s->spec.fixed) return K;
-  const uint64_t step = s->st.steps + 1, window = 200;
-  const uint64_t since = step > window ? step - window : 1;
-  const int base = n_decode + s->last_prompt_tokens;
-  double t0 = pd_spec_timing_estimate(&s->t_target, base, since);
-  if (t0 <= 0) return K; /* nothing measured yet: speculate, and measure */
-  double best = n_decode / t0;
-  int best_k = 0;
-  for (int k = 1; k <= K; k++) {
-    int extra = 0;
-    double gain = n_decode - nc;
-    for (int i = 0; i < nc; i++) {
-      int ki = s->plan[i] < k ? s->plan[i] : k;
-      extra += ki;
-      gain += pd_spec_expected_tokens(acceptance(s, s->cand[i]), ki);
-    }
-    double cost = pd_spec_timing_estimate(&s->t_target, base + extra, since);
-    if (s->spec.method == PD_SPEC_DRAFT)
-      cost += k * pd_spec_timing_estimate(&s->t_draft, nc, since);
-    if (cost > 0 && gain / cost > best) {
-      best = gain / cost;
-      best_k = k;
-    }
+/* Proposals a sequence makes at most under the step's k: while the chance that the j-th one
+ * is reached and accepted (acceptance^j) stays at or above 0.2. */
+static int seq_cap(const pd_sched *s, const sseq *q, int k) {
+  double a = acceptance(s, q), p = 1;
+  int j = 0;
+  while (j < k) {
+    p *= a;
+    if (p < 0.2 && j > 0) break;
+    j++;
   }
-  /* the baseline is measured again when its measurement is old (unmeasured speculative
-   * sizes are tried by the estimate's optimism) */
-  if (best_k > 0 && !pd_spec_timing_fresh(&s->t_target, base, since)) return 0;
-  return best_k;
+  return j;
 }
 
 /* The draft model proposes: for each candidate i up to plan[i] tokens, the candidates
@@ -998,7 +983,6 @@ static pd_status draft_propose(pd_sched *s, int nc, pd_err *e) {
                   .slots = s->d_slots, .n_seqs = ns, .q_start = s->d_qstart, .ctx_len = s->d_ctx,
                   .block_tables = s->d_bt, .max_blocks = mb, .n_logits = n_rows,
                   .logit_rows = s->d_rows};
-    double t0 = now_s();
     st = pd_engine_forward(de, &b, s->d_logits, e);
     if (st != PD_OK) goto out;
     s->st.spec_draft_steps++;
@@ -1024,7 +1008,6 @@ static pd_status draft_propose(pd_sched *s, int nc, pd_err *e) {
       if (st != PD_OK) goto out;
       if (fin != PD_FINISH_NONE) s->plan[i] = q->n_draft; /* a stop token ends the run */
     }
-    pd_spec_timing_add(&s->t_draft, nt, now_s() - t0, s->st.steps + 1);
   }
 out:
   for (int i = 0; i < nc; i++) {
@@ -1037,9 +1020,35 @@ out:
   return st;
 }
 
+/* A probe of speculation where plain decoding has been best: only sequences whose draft KV is
+ * nearly current take part (at most 2 windows of tokens behind), and at least an eighth of
+ * them (the least behind): catching every sequence's draft up on all it generated while
+ * plain is what makes a probe costly, and it pays only if speculation wins. */
+static int cmp_lag(const void *a, const void *b) {
+  const int *x = a, *y = b;
+  return (x[0] > y[0]) - (x[0] < y[0]);
+}
+
+static void probe_subset(pd_sched *s, int nc) {
+  int (*lag)[2] = malloc((size_t)nc * sizeof *lag);
+  if (!lag) return;
+  for (int i = 0; i < nc; i++) {
+    const sseq *q = s->cand[i];
+    lag[i][0] = pd_kv_seq_num_tokens(q->kv) - (q->dkv ? pd_kv_seq_num_computed(q->dkv) : 0);
+    lag[i][1] = i;
+  }
+  qsort(lag, (size_t)nc, sizeof *lag, cmp_lag);
+  int quota = nc / 8 > 1 ? nc / 8 : 1;
+  for (int j = 0; j < nc; j++)
+    if (j >= quota && lag[j][0] > 2 * PD_SPEC_WINDOW) s->plan[lag[j][1]] = 0;
+  free(lag);
+}
+
 /* Proposals for this step's decoding sequences, appended to their tokens (n_draft). */
 static pd_status propose(pd_sched *s, pd_err *e) {
   s->dq_used = 0;
+  s->propose_s = 0;
+  s->policy_step = false;
   int nc = 0, n_decode = 0;
   for (int i = 0; i < s->running.n; i++) {
     sseq *q = s->running.v[i];
@@ -1062,11 +1071,17 @@ static pd_status propose(pd_sched *s, pd_err *e) {
     s->cand[nc] = q;
     s->plan[nc++] = cap;
   }
-  if (nc == 0) return PD_OK;
-  int k = choose_k(s, nc, n_decode);
-  if (k <= 0) return PD_OK;
-  for (int i = 0; i < nc; i++)
-    if (s->plan[i] > k) s->plan[i] = k;
+  s->step_decoding = n_decode;
+  s->policy_step = !s->spec.fixed && n_decode > 0;
+  int k = s->spec.fixed ? s->spec.num_tokens
+                        : n_decode > 0 ? pd_spec_policy_choose(&s->policy, n_decode) : 0;
+  if (nc == 0 || k <= 0) return PD_OK;
+  for (int i = 0; i < nc; i++) {
+    int cap = s->spec.fixed ? k : seq_cap(s, s->cand[i], k);
+    if (s->plan[i] > cap) s->plan[i] = cap;
+  }
+  if (s->spec.method == PD_SPEC_DRAFT && !s->spec.fixed && pd_spec_policy_probing(&s->policy))
+    probe_subset(s, nc);
   double t0 = now_s();
   if (s->spec.method == PD_SPEC_DRAFT) {
     pd_status st = draft_propose(s, nc, e);
@@ -1074,7 +1089,8 @@ static pd_status propose(pd_sched *s, pd_err *e) {
   } else {
     for (int i = 0; i < nc; i++) s->cand[i]->n_draft = s->plan[i];
   }
-  s->st.spec_draft_seconds += now_s() - t0;
+  s->propose_s = now_s() - t0;
+  s->st.spec_draft_seconds += s->propose_s;
   for (int i = 0; i < nc; i++) {
     sseq *q = s->cand[i];
     if (q->n_draft <= 0) continue;
@@ -1104,7 +1120,10 @@ static void drop_aborted(pd_sched *s) {
 pd_status pd_sched_step_begin(pd_sched *s, bool *started, pd_err *e) {
   *started = false;
   PD_ASSERT(!s->in_flight && "pd_sched_step_begin: the previous step has not ended");
-  if (!pd_sched_has_work(s)) return PD_OK;
+  if (!pd_sched_has_work(s)) {
+    s->step_t0 = 0; /* an idle gap is no step's time */
+    return PD_OK;
+  }
   s->in_step = true;
   pd_status st = step_begin(s, started, e);
   if (st == PD_OK && *started) {
@@ -1113,6 +1132,8 @@ pd_status pd_sched_step_begin(pd_sched *s, bool *started, pd_err *e) {
   }
   *started = false;
   s->in_step = false;
+  s->step_t0 = 0;
+  s->policy_step = false;
   drop_aborted(s);
   return st;
 }
@@ -1137,6 +1158,16 @@ pd_status pd_sched_step(pd_sched *s, pd_err *e) {
 static pd_status step_begin(pd_sched *s, bool *started, pd_err *e) {
   int ns = 0, nt = 0;
   pd_status st = PD_OK;
+  if (s->spec.method != PD_SPEC_NONE) {
+    /* the policy learns from whole cycles: this step's start is the last one's end, so the
+     * host's work (sampling, verification, the caller's loop) counts as well */
+    double t = now_s();
+    if (s->policy_step && s->step_t0 > 0)
+      pd_spec_policy_observe(&s->policy, s->step_tokens, t - s->step_t0, s->step_measured);
+    s->policy_step = false;
+    s->step_t0 = t;
+    s->step_tokens = 0;
+  }
   if (s->spec.method != PD_SPEC_NONE && (st = propose(s, e)) != PD_OK) {
     for (int i = 0; i < s->running.n; i++) drop_drafts(s->running.v[i]);
     return st;
@@ -1235,11 +1266,13 @@ static pd_status step_begin(pd_sched *s, bool *started, pd_err *e) {
                         .sample_out = s->outs};
   s->n_sched = ns;
   s->step_verifies = false;
-  s->last_prompt_tokens = 0;
+  int prompt_tokens = 0;
   for (int j = 0; j < ns; j++) {
     if (s->sched[j]->n_draft > 0) s->step_verifies = true;
-    else if (!decoding(s->sched[j])) s->last_prompt_tokens += s->sched[j]->n_new;
+    if (!decoding(s->sched[j])) prompt_tokens += s->sched[j]->n_new;
   }
+  /* the policy learns from steps that mostly decode: a prefill chunk's time is no one's */
+  s->step_measured = prompt_tokens <= s->step_decoding;
   s->eng_t0 = pd_engine_forward_seconds(s->eng);
   st = pd_engine_submit(s->eng, &s->batch, e);
   if (st != PD_OK) return st;
@@ -1254,14 +1287,11 @@ static pd_status step_end(pd_sched *s, pd_err *e) {
   if (st != PD_OK) return st;
   s->st.steps++;
   s->st.batched_tokens += (uint64_t)s->batch.n_tokens;
-  if (s->spec.method != PD_SPEC_NONE) {
-    double dt = pd_engine_forward_seconds(s->eng) - s->eng_t0;
-    pd_spec_timing_add(&s->t_target, s->batch.n_tokens, dt, s->st.steps);
-    if (s->step_verifies) {
-      s->st.spec_verify_seconds += dt;
-      s->st.spec_verify_steps++;
-    }
+  if (s->step_verifies) {
+    s->st.spec_verify_seconds += pd_engine_forward_seconds(s->eng) - s->eng_t0;
+    s->st.spec_verify_steps++;
   }
+  s->step_gen0 = s->st.generated_tokens;
 
   /* commit, then sample. Forks happen before their parent's token is appended. */
   for (int j = 0; j < ns; j++) {
@@ -1310,5 +1340,6 @@ static pd_status step_end(pd_sched *s, pd_err *e) {
       if (st != PD_OK) return st;
     }
   }
+  s->step_tokens = (int)(s->st.generated_tokens - s->step_gen0);
   return PD_OK;
 }

@@ -2,7 +2,6 @@
  * (pd/spec.h). */
 #include "pd/spec.h"
 
-#include <math.h>
 #include <string.h>
 
 const char *pd_spec_method_name(pd_spec_method m) {
@@ -34,54 +33,84 @@ int pd_spec_ngram_propose(const int32_t *t, int n, int ngram_min, int ngram_max,
   return 0;
 }
 
-static int bucket_of(int tokens) {
+static int bucket_of(int n) {
   int b = 0;
-  while (b + 1 < PD_SPEC_TIME_BUCKETS && (1 << (b + 1)) <= tokens) b++;
+  while (b + 1 < PD_SPEC_BATCH_BUCKETS && (1 << (b + 1)) <= n) b++;
   return b;
 }
 
-void pd_spec_timing_add(pd_spec_timing *tm, int tokens, double seconds, uint64_t step) {
-  if (tokens < 1 || !(seconds > 0)) return;
-  int b = bucket_of(tokens);
-  if (!tm->at[b]) {
-    tm->x[b] = tokens;
-    tm->t[b] = seconds;
-  } else { /* a running average that follows changes within ~8 steps */
-    tm->x[b] += 0.125 * (tokens - tm->x[b]);
-    tm->t[b] += 0.125 * (seconds - tm->t[b]);
+void pd_spec_policy_init(pd_spec_policy *p, int K) {
+  memset(p, 0, sizeof *p);
+  p->K = K;
+  for (int b = 0; b < PD_SPEC_BATCH_BUCKETS; b++) {
+    p->b[b].inc = -1;
+    p->b[b].explore_every = 4;
+    p->b[b].dir = 1;
   }
-  tm->at[b] = step ? step : 1;
 }
 
-double pd_spec_timing_estimate(const pd_spec_timing *tm, int tokens, uint64_t since) {
-  bool have[PD_SPEC_TIME_BUCKETS];
-  for (int j = 0; j < PD_SPEC_TIME_BUCKETS; j++) have[j] = tm->at[j] && tm->at[j] >= since;
-  int b = bucket_of(tokens);
-  if (!have[b]) { /* unmeasured: the nearest smaller measurement (optimistic, so it is tried
-                       and measured), else the nearest larger one */
-    for (int j = b - 1; j >= 0; j--)
-      if (have[j]) return tm->t[j];
-    for (int j = b + 1; j < PD_SPEC_TIME_BUCKETS; j++)
-      if (have[j]) return tm->t[j];
-    return 0;
-  }
-  /* measured: towards the adjacent bucket on tokens' side when that one is measured too */
-  int n = tokens >= tm->x[b] ? b + 1 : b - 1;
-  if (n < 0 || n >= PD_SPEC_TIME_BUCKETS || !have[n] || tm->x[n] == tm->x[b]) return tm->t[b];
-  double f = (tokens - tm->x[b]) / (tm->x[n] - tm->x[b]);
-  return tm->t[b] + f * (tm->t[n] - tm->t[b]);
+bool pd_spec_policy_probing(const pd_spec_policy *p) {
+  return p->left > 0 && p->k > 0 && p->b[p->bucket].inc == 0;
 }
 
-bool pd_spec_timing_fresh(const pd_spec_timing *tm, int tokens, uint64_t since) {
-  int b = bucket_of(tokens);
-  return tm->at[b] && tm->at[b] >= since;
+int pd_spec_policy_best(const pd_spec_policy *p, int n_decode) {
+  return p->b[bucket_of(n_decode > 0 ? n_decode : 1)].inc;
 }
 
-double pd_spec_expected_tokens(double a, int k) {
-  double s = 1, p = 1;
-  for (int j = 0; j < k; j++) {
-    p *= a;
-    s += p;
+/* Folds the window that ends: the incumbent's rate, or a challenger against the incumbent's
+ * window just before it (windows side by side, so slow drifts such as growing contexts do
+ * not favour whichever was measured earlier). */
+static void close_window(pd_spec_policy *p) {
+  if (!(p->seconds > 0)) return;
+  int b = p->bucket, k = p->k;
+  double r = p->tokens / p->seconds;
+  p->b[b].rate[k] = r;
+  p->b[b].n[k]++;
+  if (p->b[b].inc < 0 || k == p->b[b].inc) {
+    p->b[b].inc = k;
+    p->b[b].inc_rate = r;
+  } else {
+    if (r > 1.01 * p->b[b].inc_rate) { /* the challenger wins: it is the incumbent now, and
+                                          the next challenge goes on in the same direction */
+      p->b[b].dir = k > p->b[b].inc ? 1 : -1;
+      p->b[b].inc = k;
+      p->b[b].inc_rate = r;
+      p->b[b].explore_every = 4;
+    } else {
+      p->b[b].dir = k > p->b[b].inc ? -1 : 1; /* the other side next */
+      if (p->b[b].explore_every < 64) p->b[b].explore_every *= 2;
+    }
+    p->b[b].next_explore = p->b[b].windows + p->b[b].explore_every;
   }
-  return s;
+  p->seconds = p->tokens = 0;
+}
+
+int pd_spec_policy_choose(pd_spec_policy *p, int n_decode) {
+  int b = bucket_of(n_decode > 0 ? n_decode : 1);
+  if (p->left > 0 && p->bucket == b) return p->k;
+  close_window(p);
+  int k = p->b[b].inc < 0 ? 0 : p->b[b].inc; /* plain first: the baseline */
+  if (p->b[b].inc >= 0 && p->b[b].windows >= p->b[b].next_explore) {
+    int c = p->b[b].inc + p->b[b].dir; /* a neighbour on the side `dir`, else the other */
+    if (c < 0 || c > p->K) c = p->b[b].inc - p->b[b].dir;
+    if (c >= 0 && c <= p->K) k = c;
+  }
+  p->b[b].windows++;
+  p->bucket = b;
+  p->k = k;
+  p->left = PD_SPEC_WINDOW;
+  p->warm = PD_SPEC_WINDOW_WARM;
+  return k;
+}
+
+void pd_spec_policy_observe(pd_spec_policy *p, int tokens, double seconds, bool counts) {
+  if (p->left <= 0) return;
+  p->left--;
+  if (!counts) return;
+  if (p->warm > 0) {
+    p->warm--;
+    return;
+  }
+  p->tokens += tokens;
+  p->seconds += seconds;
 }

@@ -295,22 +295,48 @@ int main(void) {
     CHECK(out[0] == 3 && out[1] == 1 && out[2] == 2 && out[3] == 3);
     CHECK(pd_spec_ngram_propose(t4, 1, 1, 3, 4, out) == 0);
   }
-  /* 2. the timing model */
+  /* 2. the adaptive policy against simulated step costs */
   {
-    pd_spec_timing tm;
-    memset(&tm, 0, sizeof tm);
-    CHECK(pd_spec_timing_estimate(&tm, 5, 1) == 0);
-    pd_spec_timing_add(&tm, 1, 1e-3, 1);
-    pd_spec_timing_add(&tm, 2, 2e-3, 2);
-    CHECK(fabs(pd_spec_timing_estimate(&tm, 1, 1) - 1e-3) < 1e-12);
-    CHECK(fabs(pd_spec_timing_estimate(&tm, 2, 1) - 2e-3) < 1e-12);
-    CHECK(fabs(pd_spec_timing_estimate(&tm, 6, 1) - 2e-3) < 1e-12); /* unmeasured: optimistic */
-    pd_spec_timing_add(&tm, 4, 4e-3, 3);
-    CHECK(fabs(pd_spec_timing_estimate(&tm, 3, 1) - 3e-3) < 1e-12); /* interpolated */
-    CHECK(fabs(pd_spec_timing_estimate(&tm, 4, 3) - 4e-3) < 1e-12);
-    CHECK(fabs(pd_spec_timing_estimate(&tm, 4, 4) - 0) < 1e-12); /* all stale */
-    CHECK(pd_spec_timing_fresh(&tm, 5, 3) && !pd_spec_timing_fresh(&tm, 1, 2));
-    CHECK(fabs(pd_spec_expected_tokens(0.5, 3) - 1.875) < 1e-12);
+    /* rate(k) for a batch: tokens per step 1 + a + .. + a^k, time t0 + k * per */
+    struct { int batch; double a, t0, per; int want; } cases[] = {
+        {1, 0.8, 10, 1.0, 4},   /* cheap proposals, high acceptance: k = K */
+        {200, 0.5, 10, 6.0, 0}, /* expensive verification: off */
+        {16, 0.6, 10, 2.5, 2},  /* in between: a small k */
+    };
+    for (int c = 0; c < 3; c++) {
+      pd_spec_policy p;
+      pd_spec_policy_init(&p, 4);
+      double tok_sum = 0, time_sum = 0;
+      int last = -1, used[5] = {0};
+      for (int step = 0; step < 4000; step++) {
+        int k = pd_spec_policy_choose(&p, cases[c].batch);
+        REQUIRE(k >= 0 && k <= 4);
+        double emitted = 0, pw = 1;
+        for (int j = 0; j <= k; j++, pw *= cases[c].a) emitted += pw;
+        double t = cases[c].t0 + k * cases[c].per;
+        pd_spec_policy_observe(&p, (int)(emitted * 1000 + 0.5), t * 1e-3, true); /* x1000: whole tokens */
+        tok_sum += emitted;
+        time_sum += t;
+        if (step >= 2000) used[k]++;
+        last = k;
+      }
+      (void)last;
+      CHECKF(pd_spec_policy_best(&p, cases[c].batch) == cases[c].want,
+             "policy case %d: best k %d, want %d", c, pd_spec_policy_best(&p, cases[c].batch),
+             cases[c].want);
+      /* exploring costs little: the best k ran nearly all of the last 2000 steps */
+      CHECKF(used[cases[c].want] > 1900, "policy case %d: k %d in %d of 2000 steps", c,
+             cases[c].want, used[cases[c].want]);
+      double best_rate = 0;
+      for (int k = 0; k <= 4; k++) {
+        double emitted = 0, pw = 1;
+        for (int j = 0; j <= k; j++, pw *= cases[c].a) emitted += pw;
+        double r = emitted / (cases[c].t0 + k * cases[c].per);
+        if (r > best_rate) best_rate = r;
+      }
+      CHECKF(tok_sum / time_sum > 0.97 * best_rate, "policy case %d: %.4f of the best rate %.4f",
+             c, tok_sum / time_sum, best_rate);
+    }
   }
 
   /* 3. greedy: plain, then every speculative setup, bit for bit */

@@ -45,26 +45,45 @@ const char *pd_spec_method_name(pd_spec_method m);
 int pd_spec_ngram_propose(const int32_t *t, int n, int ngram_min, int ngram_max, int k,
                           int32_t *out);
 
-/* Step time as a function of the tokens in the step, learned from measurements: one running
- * average per power-of-two bucket of token counts, interpolated linearly towards an adjacent
- * measured bucket. An unmeasured bucket takes the time of the nearest smaller measured one:
- * optimistic, so that the policy tries it and from then on knows. Buckets last measured
- * before step `since` count as unmeasured (so they are measured again now and then). */
-#define PD_SPEC_TIME_BUCKETS 20
-typedef struct pd_spec_timing {
-  double x[PD_SPEC_TIME_BUCKETS], t[PD_SPEC_TIME_BUCKETS]; /* averaged tokens and seconds */
-  uint64_t at[PD_SPEC_TIME_BUCKETS]; /* step counter of the last update, 0 = never */
-} pd_spec_timing;
+/* The adaptive policy: how many tokens a step's speculating sequences may propose (0: none),
+ * learned from measured throughput: output tokens the decoding sequences emitted per second
+ * of whole steps (proposing, the forward pass, verification). For each batch size (power-of-two
+ * buckets of the number of decoding sequences) it holds one k for a window of steps (the first
+ * ones not counted, so caches and graphs settle). It starts with k = 0 and then challenges the
+ * incumbent with a neighbour (k + 1 first); a challenger's window is compared with the
+ * incumbent's window just before it and takes over when it is faster by more than 1%. After a
+ * win the next challenge comes soon and goes on in the same direction; while challengers lose
+ * they come ever more rarely (up to every 64th window), so exploring costs little where
+ * speculation does not pay. */
+#define PD_SPEC_BATCH_BUCKETS 12
+#define PD_SPEC_WINDOW 16
+#define PD_SPEC_WINDOW_WARM 0
+typedef struct pd_spec_policy {
+  int K;
+  struct {
+    double rate[PD_SPEC_MAX_K + 1]; /* tokens / s of k's last window */
+    int n[PD_SPEC_MAX_K + 1];       /* windows measured, by k */
+    int inc;                        /* the incumbent k (-1: none yet) */
+    double inc_rate;                /* its last window's rate */
+    int windows, next_explore, explore_every, dir;
+  } b[PD_SPEC_BATCH_BUCKETS];
+  int bucket, k, left, warm; /* the current window */
+  double tokens, seconds;
+} pd_spec_policy;
 
-void pd_spec_timing_add(pd_spec_timing *tm, int tokens, double seconds, uint64_t step);
-/* Estimated seconds for a step of `tokens` tokens; 0 when nothing is measured (since). */
-double pd_spec_timing_estimate(const pd_spec_timing *tm, int tokens, uint64_t since);
-/* Whether the bucket of `tokens` was measured at or after step `since`. */
-bool pd_spec_timing_fresh(const pd_spec_timing *tm, int tokens, uint64_t since);
-
-/* Expected tokens a step emits for a sequence that proposes k tokens each accepted with
- * probability a (independently): 1 + a + a^2 + ... + a^k. */
-double pd_spec_expected_tokens(double a, int k);
+void pd_spec_policy_init(pd_spec_policy *p, int K);
+/* k for the next step, which has n_decode decoding sequences. */
+int pd_spec_policy_choose(pd_spec_policy *p, int n_decode);
+/* The step chosen for ran: its decoding sequences emitted `tokens` in `seconds` (the whole
+ * step: proposing, the forward pass, verification). counts = false (a step mostly spent on
+ * prefill chunks): it takes its place in the window but is not measured. */
+void pd_spec_policy_observe(pd_spec_policy *p, int tokens, double seconds, bool counts);
+/* Whether the current window tries speculation against a plain incumbent (k > 0 where k = 0
+ * has been best): the caller may let only some sequences take part (a draft model must first
+ * compute the KV of everything generated since it last ran, which plain steps skipped). */
+bool pd_spec_policy_probing(const pd_spec_policy *p);
+/* The incumbent k for n_decode sequences (-1: none yet). */
+int pd_spec_policy_best(const pd_spec_policy *p, int n_decode);
 
 #ifdef __cplusplus
 }
