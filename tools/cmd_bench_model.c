@@ -18,7 +18,14 @@
  * the end), the speedup, the acceptance rate and the tokens per verification. Random prompts
  * make acceptance low: --prompt-file takes the prompts from a file instead (JSON Lines, one
  * prompt text per line; sequence s gets line s mod the number of lines; --prompt-len is then
- * unused). */
+ * unused).
+ *
+ * --spec-cost K (with --speculative-model DIR; random weights are fine): the cost model of
+ * speculation instead, at the engine level: for each batch B, the median time of a forward of
+ * the model over B sequences of --prompt-len context with 1 token each (a decode step) and with
+ * k + 1 tokens each (a verification, k = 1..K, every row's logits to the host), and the draft's
+ * one-token step; then the speedup they predict at acceptance 0.6, 0.7 and 0.8 for the best k:
+ * (1 + a + .. + a^k) * decode / (verify(k) + k * draft). */
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <stdio.h>
@@ -147,12 +154,150 @@ static int run_one(pd_runtime_opts ro, int batch, int prompt_len, int gen, int r
   return 0;
 }
 
+static double median(double *v, int n) {
+  for (int i = 1; i < n; i++)
+    for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
+      double t = v[j];
+      v[j] = v[j - 1];
+      v[j - 1] = t;
+    }
+  return v[n / 2];
+}
+
+/* Median seconds of a forward of B sequences x T tokens at context C (KV garbage: timing). */
+static int time_forward(pd_engine *eng, int B, int T, int C, int bs, double *out) {
+  int nb = (C + T + bs - 1) / bs, nt = B * T;
+  int32_t *tok = calloc((size_t)nt, sizeof *tok), *pos = malloc((size_t)nt * sizeof *pos),
+          *slot = malloc((size_t)nt * sizeof *slot), *qs = malloc((size_t)(B + 1) * sizeof *qs),
+          *ctx = malloc((size_t)B * sizeof *ctx), *bt = malloc((size_t)B * nb * sizeof *bt),
+          *rows = malloc((size_t)nt * sizeof *rows);
+  float *logits = malloc((size_t)nt * (size_t)pd_engine_config(eng)->vocab_size * sizeof *logits);
+  pd_dev_sample_spec *sp = NULL;
+  pd_dev_sample_out *so = NULL;
+  int rc = 0;
+  if (!tok || !pos || !slot || !qs || !ctx || !bt || !rows || !logits) {
+    rc = pdctl_fail("out of memory");
+    goto out;
+  }
+  for (int b = 0; b < B; b++) {
+    qs[b] = b * T;
+    ctx[b] = C + T;
+    for (int i = 0; i < nb; i++) bt[(size_t)b * nb + i] = b * nb + i;
+    for (int t = 0; t < T; t++) {
+      int p = C + t, i = b * T + t;
+      tok[i] = (b * 31 + t * 7) % 1000 + 10;
+      pos[i] = p;
+      slot[i] = (b * nb + p / bs) * bs + p % bs;
+      rows[i] = i;
+    }
+  }
+  qs[B] = nt;
+  pd_batch bat = {.n_tokens = nt, .tokens = tok, .positions = pos, .slots = slot, .n_seqs = B,
+                  .q_start = qs, .ctx_len = ctx, .block_tables = bt, .max_blocks = nb,
+                  .n_logits = nt, .logit_rows = rows};
+  /* every row's logits; where the engine samples on the device, every row's argmax there (as
+   * greedy verification does), else every row to the host (as the host sampler needs) */
+  if (pd_engine_can_sample(eng)) {
+    sp = calloc((size_t)nt, sizeof *sp);
+    so = calloc((size_t)nt, sizeof *so);
+    if (!sp || !so) {
+      rc = pdctl_fail("out of memory");
+      goto out;
+    }
+    for (int i = 0; i < nt; i++) {
+      sp[i].top_p = 1;
+      sp[i].rep_penalty = 1;
+      sp[i].n_top = -1;
+    }
+    bat.n_sample = nt;
+    bat.sample = sp;
+    bat.sample_out = so;
+  }
+  double v[9];
+  pd_err e = {0};
+  for (int r = -2; r < 9; r++) {
+    double t0 = pdctl_now();
+    if (pd_engine_forward(eng, &bat, logits, &e) != PD_OK) {
+      rc = pdctl_fail("%s", e.msg);
+      goto out;
+    }
+    if (r >= 0) v[r] = pdctl_now() - t0;
+  }
+  *out = median(v, 9);
+out:
+  free(tok);
+  free(pos);
+  free(slot);
+  free(qs);
+  free(ctx);
+  free(bt);
+  free(rows);
+  free(logits);
+  free(sp);
+  free(so);
+  return rc;
+}
+
+static int spec_cost(pd_runtime_opts ro, const int32_t *bl, size_t nb, int C, int K) {
+  int maxb = 0;
+  for (size_t i = 0; i < nb; i++)
+    if (bl[i] > maxb) maxb = bl[i];
+  ro.max_seqs = maxb;
+  ro.no_prefix_cache = true;
+  ro.speculative_adaptive = "off";
+  if (ro.max_batch_tokens < maxb * (K + 1)) ro.max_batch_tokens = maxb * (K + 1);
+  int nblk = (C + K + 2 + ro.block_size - 1) / ro.block_size;
+  if (!ro.kv_cache_tokens) ro.kv_cache_tokens = maxb * nblk * ro.block_size;
+  pd_runtime rt;
+  pd_err e = {0};
+  if (pd_runtime_open(&rt, &ro, NULL, NULL, &e) != PD_OK) return pdctl_fail("%s", e.msg);
+  if (!rt.draft_eng) {
+    pd_runtime_close(&rt);
+    return pdctl_fail("--spec-cost needs --speculative-model DIR (the draft's shape)");
+  }
+  printf("speculation cost model: context %d, k up to %d (%s); ms per forward\n", C, K,
+         rt.be->ops.name);
+  printf("%6s %9s %9s", "batch", "decode", "draft");
+  for (int k = 1; k <= K; k++) printf("  verify%-2d", k);
+  printf(" %14s %14s %14s\n", "speedup a=0.6", "a=0.7", "a=0.8");
+  int rc = 0;
+  for (size_t i = 0; i < nb && !rc; i++) {
+    int B = bl[i];
+    double t1 = 0, td = 0, tv[PD_SPEC_MAX_K + 1] = {0};
+    rc = time_forward(rt.eng, B, 1, C, ro.block_size, &t1);
+    if (!rc) rc = time_forward(rt.draft_eng, B, 1, C, ro.block_size, &td);
+    for (int k = 1; k <= K && !rc; k++) rc = time_forward(rt.eng, B, k + 1, C, ro.block_size, &tv[k]);
+    if (rc) break;
+    printf("%6d %9.3f %9.3f", B, t1 * 1e3, td * 1e3);
+    for (int k = 1; k <= K; k++) printf(" %9.3f", tv[k] * 1e3);
+    const double as[3] = {0.6, 0.7, 0.8};
+    for (int a = 0; a < 3; a++) {
+      double best = 1;
+      int best_k = 0;
+      for (int k = 1; k <= K; k++) {
+        double emitted = 0, p = 1;
+        for (int j = 0; j <= k; j++, p *= as[a]) emitted += p;
+        double sp = emitted * t1 / (tv[k] + k * td);
+        if (sp > best) {
+          best = sp;
+          best_k = k;
+        }
+      }
+      printf("   %6.2fx (k %d)", best, best_k);
+    }
+    printf("\n");
+    fflush(stdout);
+  }
+  pd_runtime_close(&rt);
+  return rc;
+}
+
 int cmd_bench_model(int argc, char **argv) {
   pd_runtime_opts ro;
   pd_runtime_opts_default(&ro);
   ro.kv_cache_tokens = 0;
   const char *model = NULL, *batches = "1", *prompt_file = NULL;
-  int prompt_len = 512, gen = 128, repeat = 3;
+  int prompt_len = 512, gen = 128, repeat = 3, spec_k = 0;
   bool json = false, help = false;
   pd_opt opts[64] = {
       {"model", PD_OPT_STR, &model, "DIR", "model folder", NULL},
@@ -160,6 +305,9 @@ int cmd_bench_model(int argc, char **argv) {
       {"prompt-len", PD_OPT_INT, &prompt_len, "N", "prompt tokens per sequence (512)", NULL},
       {"decode-tokens", PD_OPT_INT, &gen, "N", "tokens generated per sequence (128)", NULL},
       {"repeat", PD_OPT_INT, &repeat, "N", "runs; the best is reported (3)", NULL},
+      {"spec-cost", PD_OPT_INT, &spec_k, "K",
+       "the cost model of speculation (engine forward times, with --speculative-model) "
+       "instead of the runs", NULL},
       {"prompt-file", PD_OPT_STR, &prompt_file, "FILE",
        "prompts from this file (JSON Lines of prompt texts) instead of random ids", NULL},
       {"json", PD_OPT_BOOL, &json, NULL, "print JSON", NULL},
@@ -184,6 +332,13 @@ int cmd_bench_model(int argc, char **argv) {
   if (!bl || nb == 0) return pdctl_fail("--batch: %s", bl ? "empty list" : e.msg);
   pd_spec_config spec;
   if (pd_runtime_spec_config(&ro, &spec, &e) != PD_OK) return pdctl_fail("%s", e.msg);
+  if (spec_k) {
+    if (spec_k < 1 || spec_k > PD_SPEC_MAX_K)
+      return pdctl_fail("--spec-cost must be in [1, %d]", PD_SPEC_MAX_K);
+    int rc = spec_cost(ro, bl, nb, prompt_len, spec_k);
+    free(bl);
+    return rc;
+  }
   prompts pf = {0};
   if (prompt_file) {
     FILE *f = fopen(prompt_file, "r");

@@ -27,6 +27,7 @@ typedef struct sseq {
   int c0;                          /* computed tokens before this step */
   float acc_a, acc_r;              /* decayed counts of accepted and rejected proposals */
   pd_kv_seq *dkv;                  /* the draft model's KV (draft method) */
+  bool spec_dev; /* greedy verification on the device: rows dev_row .. dev_row + n_draft */
 } sseq;
 
 struct sreq {
@@ -235,8 +236,9 @@ pd_sched *pd_sched_create(pd_engine *eng, pd_kv_pool *pool, const pd_sched_opts 
     goto oom;
   s->dev_sample = pd_engine_can_sample(eng);
   if (s->dev_sample) {
-    s->specs = malloc(S * sizeof *s->specs);
-    s->outs = malloc(S * sizeof *s->outs);
+    /* a row per token at most (greedy verification samples every row of a sequence) */
+    s->specs = malloc(T * sizeof *s->specs);
+    s->outs = malloc(T * sizeof *s->outs);
     if (!s->specs || !s->outs) goto oom;
   }
   s->ws = pd_sample_ws_new(s->V, e);
@@ -755,6 +757,21 @@ static pd_status emit_token(pd_sched *s, sseq *q, int32_t tok, const pd_logprobs
   return PD_OK;
 }
 
+static void dev_logprobs(const pd_dev_sample_out *o, pd_logprobs *lp) {
+  memset(lp, 0, sizeof *lp);
+  lp->token = o->token;
+  lp->logprob = o->logprob;
+  lp->rank = o->rank;
+  lp->n_top = o->n_top;
+  for (int i = 0; i < o->n_top && i < PD_SAMPLE_MAX_LOGPROBS; i++) {
+    lp->top[i].id = o->top_id[i];
+    lp->top[i].logprob = o->top_logprob[i];
+  }
+}
+
+static pd_status spec_finish(pd_sched *s, sseq *q, const int32_t *out, int n_out,
+                             const pd_logprobs *lp, pd_finish_reason fin, pd_err *e);
+
 /* Verifies q's proposals against its target rows [1 + n_draft][V] and reports the tokens
  * that come out (1 .. n_draft + 1); only their KV is committed, the rest rolled back. */
 static pd_status emit_spec(pd_sched *s, sseq *q, float *rows, pd_err *e) {
@@ -769,6 +786,38 @@ static pd_status emit_spec(pd_sched *s, sseq *q, float *rows, pd_err *e) {
   pd_status st = pd_spec_verify(q->smp, s->ws, rows, q->draft, dq, k, out, &n_out,
                                 want_lp ? lp : NULL, &fin, e);
   if (st != PD_OK) return st;
+  return spec_finish(s, q, out, n_out, want_lp ? lp : NULL, fin, e);
+}
+
+/* Greedy verification from the device's argmax of each of q's rows (rows dev_row ..
+ * dev_row + n_draft, each processed with the penalties of the proposals before it): the
+ * proposals are kept while they equal it, then its token follows, as pd_spec_verify does. */
+static pd_status emit_spec_dev(pd_sched *s, sseq *q, const pd_dev_sample_out *o, pd_err *e) {
+  const int k = q->n_draft;
+  int32_t out[PD_SPEC_MAX_K + 1];
+  int n_out = 0;
+  pd_logprobs lp[PD_SPEC_MAX_K + 1];
+  const bool want_lp = q->req->p.logprobs >= 0;
+  pd_finish_reason fin = PD_FINISH_NONE;
+  for (int j = 0; j <= k; j++) {
+    int32_t tok = o[j].token;
+    if (tok < 0)
+      return pd_err_set(e, PD_EINVAL, "sampler: no token has a finite logit (or one is +inf)");
+    pd_status st = pd_sampler_accept(q->smp, tok, &fin, e);
+    if (st != PD_OK) return st;
+    if (want_lp) dev_logprobs(&o[j], &lp[n_out]);
+    out[n_out++] = tok;
+    if (fin != PD_FINISH_NONE || (j < k && tok != q->draft[j])) break;
+  }
+  return spec_finish(s, q, out, n_out, want_lp ? lp : NULL, fin, e);
+}
+
+/* The tail of a verification: out[0 .. n_out) came out (accepted by the sampler already). */
+static pd_status spec_finish(pd_sched *s, sseq *q, const int32_t *out, int n_out,
+                             const pd_logprobs *lp, pd_finish_reason fin, pd_err *e) {
+  sreq *r = q->req;
+  const int k = q->n_draft;
+  pd_status st;
   PD_ASSERT(n_out >= 1 && n_out <= k + 1);
   int acc = 0;
   while (acc < k && acc < n_out && out[acc] == q->draft[acc]) acc++;
@@ -779,6 +828,7 @@ static pd_status emit_spec(pd_sched *s, sseq *q, float *rows, pd_err *e) {
   if (st == PD_OK) st = pd_kv_seq_truncate(q->kv, q->c0 + keep, e);
   if (st != PD_OK) return st;
   q->n_draft = 0;
+  q->spec_dev = false;
   s->st.spec_verified++;
   s->st.spec_proposed += (uint64_t)k;
   s->st.spec_accepted += (uint64_t)acc;
@@ -797,7 +847,7 @@ static pd_status emit_spec(pd_sched *s, sseq *q, float *rows, pd_err *e) {
       st = pd_kv_seq_append_tokens(q->kv, &out[j], 1, e);
       if (st != PD_OK) return st;
     }
-    report(s, q, out[j], want_lp ? &lp[j] : NULL, f); /* may free q */
+    report(s, q, out[j], lp ? &lp[j] : NULL, f); /* may free q */
     if (f != PD_FINISH_NONE) break;
   }
   return PD_OK;
@@ -820,17 +870,7 @@ static pd_status emit_dev(pd_sched *s, sseq *q, const pd_dev_sample_out *o, pd_e
     return pd_err_set(e, PD_EINVAL, "sampler: no token has a finite logit (or one is +inf)");
   pd_logprobs lp;
   bool want_lp = q->req->p.logprobs >= 0;
-  if (want_lp) {
-    memset(&lp, 0, sizeof lp);
-    lp.token = o->token;
-    lp.logprob = o->logprob;
-    lp.rank = o->rank;
-    lp.n_top = o->n_top;
-    for (int i = 0; i < o->n_top && i < PD_SAMPLE_MAX_LOGPROBS; i++) {
-      lp.top[i].id = o->top_id[i];
-      lp.top[i].logprob = o->top_logprob[i];
-    }
-  }
+  if (want_lp) dev_logprobs(o, &lp);
   return emit_token(s, q, o->token, want_lp ? &lp : NULL, e);
 }
 
@@ -1231,7 +1271,11 @@ static pd_status step_begin(pd_sched *s, bool *started, pd_err *e) {
     q->sample_row = -1;
     q->dev_row = -1;
     q->c0 = c;
-    if (q->n_draft > 0) { /* verification: every row to the host */
+    q->spec_dev = false;
+    if (q->n_draft > 0 && s->dev_sample && pd_sampling_params_is_greedy(&r->p)) {
+      q->spec_dev = true; /* greedy verification: every row's argmax on the device */
+      q->dev_row = 0;
+    } else if (q->n_draft > 0) { /* verification: every row to the host */
       q->sample_row = n_rows;
       for (int i = 0; i < n; i++) s->rows[n_rows++] = off + i;
     } else if (c + n == pd_kv_seq_num_tokens(q->kv)) {
@@ -1253,6 +1297,21 @@ static pd_status step_begin(pd_sched *s, bool *started, pd_err *e) {
     o += q->n_new;
     if (q->dev_row < 0) continue;
     q->dev_row = n_dev;
+    if (q->spec_dev) { /* row i sees the penalties of the proposals before it */
+      const int n = q->n_new;
+      for (int i = 0; i < n && st == PD_OK; i++) {
+        if (i > 0) st = pd_sampler_accept(q->smp, q->draft[i - 1], NULL, e);
+        if (st != PD_OK) break;
+        s->rows[n_rows + n_dev] = o - n + i;
+        st = add_dev_spec(s, q, n_dev, &n_edits, e);
+        n_dev++;
+      }
+      pd_status r2 = pd_sampler_rollback(q->smp, n - 1, NULL);
+      PD_ASSERT(r2 == PD_OK);
+      (void)r2;
+      if (st != PD_OK) return st;
+      continue;
+    }
     s->rows[n_rows + n_dev] = o - 1;
     st = add_dev_spec(s, q, n_dev, &n_edits, e);
     if (st != PD_OK) return st;
@@ -1313,7 +1372,9 @@ static pd_status step_end(pd_sched *s, pd_err *e) {
     sseq *q = s->sched[j];
     if (q->req->aborted) continue;
     if (q->n_draft > 0) {
-      st = emit_spec(s, q, s->logits + (size_t)q->sample_row * s->V, e); /* may free q */
+      st = q->spec_dev ? emit_spec_dev(s, q, &s->outs[q->dev_row], e)
+                       : emit_spec(s, q, s->logits + (size_t)q->sample_row * s->V, e);
+      /* (either may free q) */
       if (st != PD_OK) return st;
       continue;
     }
