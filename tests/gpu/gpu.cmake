@@ -16,10 +16,3 @@ pd_add_test(NAME test_cuda_sample SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_sa
 # tables of 8 to 128 blocks), each step against an eager engine; `short` for compute-sanitizer.
 pd_add_test(NAME test_cuda_graph_shapes SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_graph_shapes.c
             LABELS gpu TIMEOUT 900)
-# Speculative decoding on the GPU: test_spec's greedy part (draft and n-gram, fixed and
-# adaptive, preemption) with the model and the draft on cuda:0, equal to plain decoding up to
-# the first near-tie.
-if(TARGET test_spec)
-  add_test(NAME test_cuda_spec COMMAND test_spec cuda:0)
-  set_tests_properties(test_cuda_spec PROPERTIES LABELS gpu TIMEOUT 600 SKIP_RETURN_CODE 77)
-endif()
