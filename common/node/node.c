@@ -648,6 +648,8 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
   n->rt.sched = NULL;
   pd_runtime_opts ro = o->rt;
   ro.model_dir = o->model_dir;
+  if (ro.decode_prefill_tokens < 0)
+    ro.decode_prefill_tokens = o->unified ? PD_UNIFIED_DECODE_PREFILL_TOKENS : 0;
   if ((st = pd_runtime_open(&n->rt, &ro, on_event, ev_user, e)) != PD_OK) return st;
 
   /* the KV cache: host pages on the CPU backend (memcpy), device pages on a GPU (staged through

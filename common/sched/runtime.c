@@ -16,6 +16,7 @@ void pd_runtime_opts_default(pd_runtime_opts *o) {
   o->kv_cache_dtype = "auto";
   o->gpu_memory_utilization = 0.9;
   o->cpu_spin_us = PD_POOL_SPIN_US;
+  o->decode_prefill_tokens = -1; /* the role's default */
   o->num_speculative_tokens = 4;
   o->speculative_adaptive = "on";
   o->ngram_min = 2;
@@ -48,7 +49,8 @@ int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap) {
        "longest context (default: the model's)", NULL},
       {"decode-prefill-tokens", PD_OPT_INT, &o->decode_prefill_tokens, "N",
        "the most prompt tokens a step takes while sequences decode, so that prefill chunks keep "
-       "decode steps short (0 = up to --max-batch-tokens, the default)",
+       "decode steps short (0 = up to --max-batch-tokens; default: 512 on unified nodes, 0 "
+       "elsewhere)",
        NULL},
       {"no-prefix-cache", PD_OPT_BOOL, &o->no_prefix_cache, NULL, "disable prefix caching",
        NULL},
@@ -151,7 +153,7 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
     return pd_err_set(e, PD_EINVAL, "--block-size must be in [1, 1024]");
   if (o->max_batch_tokens < 1 || o->max_seqs < 1 || o->kv_cache_tokens < 0 ||
       o->kv_cache_mb < 0 || o->max_model_len < 0 || o->threads < 0 ||
-      o->decode_prefill_tokens < 0 || o->cpu_spin_us < 0 || o->cpu_spin_us > 10000000)
+      o->decode_prefill_tokens < -1 || o->cpu_spin_us < 0 || o->cpu_spin_us > 10000000)
     return pd_err_set(e, PD_EINVAL,
                       "--max-batch-tokens and --max-seqs must be positive, the others not "
                       "negative");
@@ -300,7 +302,7 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
     rt->spec.draft_pool = rt->draft_pool;
   }
   pd_sched_opts so = {.eos_ids = rt->eos, .n_eos = rt->n_eos,
-                      .decode_prefill_tokens = o->decode_prefill_tokens,
+                      .decode_prefill_tokens = o->decode_prefill_tokens > 0 ? o->decode_prefill_tokens : 0,
                       .spec = rt->spec.method != PD_SPEC_NONE ? &rt->spec : NULL};
   rt->sched = pd_sched_create(rt->eng, rt->pool, &so, on_event, user, e);
   if (!rt->sched) goto fail;

@@ -78,7 +78,7 @@ static void close_window(pd_spec_policy *p) {
       p->b[b].explore_every = 4;
     } else {
       p->b[b].dir = k > p->b[b].inc ? -1 : 1; /* the other side next */
-      if (p->b[b].explore_every < 64) p->b[b].explore_every *= 2;
+      if (p->b[b].explore_every < PD_SPEC_MAX_BACKOFF) p->b[b].explore_every *= 2;
     }
     p->b[b].next_explore = p->b[b].windows + p->b[b].explore_every;
   }
@@ -98,7 +98,8 @@ int pd_spec_policy_choose(pd_spec_policy *p, int n_decode) {
   p->b[b].windows++;
   p->bucket = b;
   p->k = k;
-  p->left = PD_SPEC_WINDOW;
+  /* a challenger's window is half as long: it is the one that may be slow */
+  p->left = k == p->b[b].inc || p->b[b].inc < 0 ? PD_SPEC_WINDOW : PD_SPEC_WINDOW / 2;
   p->warm = PD_SPEC_WINDOW_WARM;
   return k;
 }

@@ -35,11 +35,15 @@ typedef struct cpu_impl {
   /* Caller-thread scratch (reordered x for GEMV, attention task offsets). */
   void *host;
   size_t host_size;
-  /* RoPE table: for position p, rope_cs[p * 2 * half ..] = cos[half], sin[half]. */
-  float *rope_inv;
-  int rope_half;
-  int rope_npos;
-  float *rope_cs;
+  /* RoPE tables, one per inv_freq in use (two models on one backend: a speculative draft
+   * beside its target): for position p, cs[p * 2 * half ..] = cos[half], sin[half]. */
+  struct rope_tab {
+    float *inv;
+    int half, npos;
+    float *cs;
+    uint64_t used;
+  } rope[2];
+  uint64_t rope_clock;
   bool failed; /* inject_fault was called: status reports a failure from then on */
 } cpu_impl;
 
@@ -343,40 +347,46 @@ static void rope_fill(float *cs, int pos, const float *inv_freq, int half) {
   }
 }
 
-/* Makes the table cover positions [0, npos) for this inv_freq; returns 0 when it cannot (too
- * large or out of memory), in which case rows compute their own cos/sin. */
-static int rope_cache(cpu_impl *c, const float *inv_freq, int half, int npos) {
-  if (c->rope_inv && (c->rope_half != half ||
-                      memcmp(c->rope_inv, inv_freq, (size_t)half * sizeof(float)) != 0)) {
-    free(c->rope_inv);
-    free(c->rope_cs);
-    c->rope_inv = NULL;
-    c->rope_cs = NULL;
-    c->rope_npos = 0;
+/* The table of this inv_freq covering positions [0, npos) (the least recently used one is
+ * replaced when both are taken); NULL when it cannot be made (too large, out of memory), in
+ * which case rows compute their own cos/sin. */
+static const float *rope_cache(cpu_impl *c, const float *inv_freq, int half, int npos) {
+  struct rope_tab *t = NULL;
+  for (int i = 0; i < 2 && !t; i++)
+    if (c->rope[i].inv && c->rope[i].half == half &&
+        memcmp(c->rope[i].inv, inv_freq, (size_t)half * sizeof(float)) == 0)
+      t = &c->rope[i];
+  if (!t) {
+    t = c->rope[0].used <= c->rope[1].used ? &c->rope[0] : &c->rope[1];
+    free(t->inv);
+    free(t->cs);
+    memset(t, 0, sizeof *t);
   }
-  if (npos <= c->rope_npos) return 1;
+  t->used = ++c->rope_clock;
+  if (npos <= t->npos) return t->cs;
   size_t row = 2 * (size_t)half * sizeof(float);
-  int cap = c->rope_npos > 0 ? c->rope_npos : 1024;
+  int cap = t->npos > 0 ? t->npos : 1024;
   while (cap < npos) cap *= 2;
-  if ((size_t)cap * row > ROPE_CACHE_MAX_BYTES) return 0;
-  if (!c->rope_inv) {
-    c->rope_inv = malloc((size_t)half * sizeof(float) + 1);
-    if (!c->rope_inv) return 0;
-    memcpy(c->rope_inv, inv_freq, (size_t)half * sizeof(float));
-    c->rope_half = half;
+  if ((size_t)cap * row > ROPE_CACHE_MAX_BYTES) return NULL;
+  if (!t->inv) {
+    t->inv = malloc((size_t)half * sizeof(float) + 1);
+    if (!t->inv) return NULL;
+    memcpy(t->inv, inv_freq, (size_t)half * sizeof(float));
+    t->half = half;
   }
-  float *cs = realloc(c->rope_cs, (size_t)cap * row + 1);
-  if (!cs) return 0;
-  c->rope_cs = cs;
-  for (int p = c->rope_npos; p < cap; p++) rope_fill(cs + (size_t)p * 2 * half, p, inv_freq, half);
-  c->rope_npos = cap;
-  return 1;
+  float *cs = realloc(t->cs, (size_t)cap * row + 1);
+  if (!cs) return NULL;
+  t->cs = cs;
+  for (int p = t->npos; p < cap; p++) rope_fill(cs + (size_t)p * 2 * half, p, inv_freq, half);
+  t->npos = cap;
+  return cs;
 }
 
 struct rope_args {
   const int32_t *pos;
   const float *inv_freq;
-  int hd, cached;
+  const float *table; /* rope_cache's, or NULL */
+  int hd;
 };
 typedef struct rope_args rope_args;
 
@@ -384,8 +394,8 @@ static void rope_row(const row_ctx *r, int i, float *tmp) {
   const rope_args *ra = r->rope;
   int half = ra->hd / 2;
   const float *cs;
-  if (ra->cached) {
-    cs = r->c->rope_cs + (size_t)ra->pos[i] * 2 * half;
+  if (ra->table) {
+    cs = ra->table + (size_t)ra->pos[i] * 2 * half;
   } else {
     rope_fill(tmp, ra->pos[i], ra->inv_freq, half);
     cs = tmp;
@@ -406,8 +416,8 @@ static void cpu_rope(pd_backend *be, float *q, float *k, const int32_t *pos, con
   }
   int half = head_dim / 2;
   rope_args ra = {.pos = pos, .inv_freq = inv_freq, .hd = head_dim};
-  ra.cached = maxp < INT32_MAX && rope_cache(c, inv_freq, half, maxp + 1);
-  if (!ra.cached) ensure_scratch(c, 2 * (size_t)half * sizeof(float));
+  ra.table = maxp < INT32_MAX ? rope_cache(c, inv_freq, half, maxp + 1) : NULL;
+  if (!ra.table) ensure_scratch(c, 2 * (size_t)half * sizeof(float));
   row_ctx r = {.c = c, .kind = ROW_ROPE, .M = M, .D = head_dim, .rope = &ra,
                .q = n_q_heads ? q : NULL, .kk = n_kv_heads ? k : NULL, .nqh = n_q_heads,
                .nkvh = n_kv_heads};
@@ -615,8 +625,10 @@ static void cpu_destroy(pd_backend *be) {
       for (int t = 0; t < c->nt; t++) free(c->scr[t]);
     free(c->scr);
     free(c->host);
-    free(c->rope_inv);
-    free(c->rope_cs);
+    for (int i = 0; i < 2; i++) {
+      free(c->rope[i].inv);
+      free(c->rope[i].cs);
+    }
     free(c);
   }
   free(be);

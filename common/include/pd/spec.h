@@ -49,15 +49,16 @@ int pd_spec_ngram_propose(const int32_t *t, int n, int ngram_min, int ngram_max,
  * learned from measured throughput: output tokens the decoding sequences emitted per second
  * of whole steps (proposing, the forward pass, verification). For each batch size (power-of-two
  * buckets of the number of decoding sequences) it holds one k for a window of steps (the first
- * ones not counted, so caches and graphs settle). It starts with k = 0 and then challenges the
- * incumbent with a neighbour (k + 1 first); a challenger's window is compared with the
- * incumbent's window just before it and takes over when it is faster by more than 1%. After a
- * win the next challenge comes soon and goes on in the same direction; while challengers lose
- * they come ever more rarely (up to every 64th window), so exploring costs little where
- * speculation does not pay. */
+ * ones not counted, so caches and graphs settle). It starts with k = 0 for a window and then
+ * challenges the incumbent with a neighbour (k + 1 first) for half a window; the challenger's
+ * rate is compared with the incumbent's window just before it and takes over when it is faster
+ * by more than 1%. After a win the next challenge comes soon and goes on in the same direction;
+ * while challengers lose they come ever more rarely (up to every 128th window), so exploring
+ * costs little where speculation does not pay. */
 #define PD_SPEC_BATCH_BUCKETS 12
 #define PD_SPEC_WINDOW 16
 #define PD_SPEC_WINDOW_WARM 0
+#define PD_SPEC_MAX_BACKOFF 128 /* windows between challenges at most */
 typedef struct pd_spec_policy {
   int K;
   struct {
