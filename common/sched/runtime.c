@@ -288,8 +288,7 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
       rt->draft_be = pd_backend_open(o->device, &bo, &gpu, e);
       if (!rt->draft_be) goto fail;
     }
-    pd_engine_opts de = eo;
-    de.no_device_sampling = true;
+    pd_engine_opts de = eo; /* (device sampling: greedy proposals are drawn there) */
     rt->draft_eng =
         pd_engine_create(rt->draft_model, rt->draft_be ? rt->draft_be : rt->be, &de, e);
     if (!rt->draft_eng) goto fail;

@@ -106,6 +106,10 @@ struct pd_sched {
   int32_t *d_tokens, *d_pos, *d_slots, *d_qstart, *d_ctx, *d_bt, *d_rows;
   float *d_logits;
   int *d_idx; /* candidate index of each draft batch sequence */
+  int *d_hrow, *d_drow; /* its host logits row or device-sampled row (-1: none) */
+  bool d_dev;           /* the draft engine samples on the device: greedy proposals there */
+  pd_dev_sample_spec *d_specs;
+  pd_dev_sample_out *d_outs;
 };
 
 /* ---- small containers ---- */
@@ -179,10 +183,18 @@ static pd_status spec_init(pd_sched *s, const pd_spec_config *c, pd_err *e) {
   s->d_qstart = malloc((S + 1) * sizeof(int32_t));
   s->d_ctx = malloc(S * sizeof(int32_t));
   s->d_idx = malloc(S * sizeof(int));
+  s->d_hrow = malloc(S * sizeof(int));
+  s->d_drow = malloc(S * sizeof(int));
+  s->d_dev = pd_engine_can_sample(c->draft);
+  if (s->d_dev) {
+    s->d_specs = malloc(S * sizeof *s->d_specs);
+    s->d_outs = malloc(S * sizeof *s->d_outs);
+    if (!s->d_specs || !s->d_outs) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  }
   s->d_bt = malloc(S * (size_t)s->d_max_blocks * sizeof(int32_t));
   s->d_logits = malloc(S * (size_t)s->V * sizeof(float));
   if (!s->d_tokens || !s->d_pos || !s->d_slots || !s->d_rows || !s->d_qstart || !s->d_ctx ||
-      !s->d_idx || !s->d_bt || !s->d_logits)
+      !s->d_idx || !s->d_hrow || !s->d_drow || !s->d_bt || !s->d_logits)
     return pd_err_set(e, PD_ENOMEM, "out of memory");
   return PD_OK;
 }
@@ -305,6 +317,10 @@ void pd_sched_free(pd_sched *s) {
   free(s->d_qstart);
   free(s->d_ctx);
   free(s->d_idx);
+  free(s->d_hrow);
+  free(s->d_drow);
+  free(s->d_specs);
+  free(s->d_outs);
   free(s->d_bt);
   free(s->d_logits);
   pd_sample_ws_free(s->ws);
@@ -875,13 +891,14 @@ static pd_status emit_dev(pd_sched *s, sseq *q, const pd_dev_sample_out *o, pd_e
 }
 
 /* Appends q's device-sampling spec and edits for this step. */
-static pd_status add_dev_spec(pd_sched *s, sseq *q, int idx, int32_t *n_edits, pd_err *e) {
+static pd_status add_dev_spec_to(pd_sched *s, sseq *q, pd_dev_sample_spec *specs, int idx,
+                                 int32_t *n_edits, pd_err *e) {
   for (;;) {
     int32_t room = s->edits_cap - *n_edits;
-    int32_t need = pd_sampler_dev_spec(q->smp, &s->specs[idx], s->edits + *n_edits, room);
+    int32_t need = pd_sampler_dev_spec(q->smp, &specs[idx], s->edits + *n_edits, room);
     if (need <= room) {
-      s->specs[idx].edit_begin = *n_edits;
-      s->specs[idx].edit_count = need;
+      specs[idx].edit_begin = *n_edits;
+      specs[idx].edit_count = need;
       *n_edits += need;
       return PD_OK;
     }
@@ -892,6 +909,10 @@ static pd_status add_dev_spec(pd_sched *s, sseq *q, int idx, int32_t *n_edits, p
     s->edits = p;
     s->edits_cap = cap;
   }
+}
+
+static pd_status add_dev_spec(pd_sched *s, sseq *q, int idx, int32_t *n_edits, pd_err *e) {
+  return add_dev_spec_to(s, q, s->specs, idx, n_edits, e);
 }
 
 /* ---- speculative decoding: proposals ---- */
@@ -985,7 +1006,6 @@ static pd_status draft_propose(pd_sched *s, int nc, pd_err *e) {
       s->d_qstart[ns] = nt;
       s->d_ctx[ns] = c + n;
       s->d_idx[ns] = n == need ? i : -1 - i; /* negative: a chunk of catch-up, no row */
-      if (n == need) s->d_rows[n_rows++] = nt + n - 1;
       int nb = pd_kv_seq_num_blocks(q->dkv);
       if (nb > mb) mb = nb;
       nt += n;
@@ -1019,14 +1039,34 @@ static pd_status draft_propose(pd_sched *s, int nc, pd_err *e) {
       if (st != PD_OK) goto out;
     }
     pd_kv_pool_copies_done(dp);
+    /* a row per sequence whose catch-up is complete: greedy ones drawn on the device where the
+     * draft engine samples there (its argmax with the sequence's edits; nothing comes back but
+     * the token), the others' logits to the host (their distribution is needed) */
+    int n_dev = 0;
+    int32_t n_edits = 0;
+    for (int j = 0; j < ns; j++) {
+      s->d_hrow[j] = s->d_drow[j] = -1;
+      if (s->d_idx[j] < 0) continue;
+      if (s->d_dev && pd_sampling_params_is_greedy(&s->cand[s->d_idx[j]]->req->p))
+        s->d_drow[j] = n_dev++;
+      else
+        s->d_hrow[j] = n_rows++;
+    }
+    for (int j = 0; j < ns; j++) {
+      if (s->d_hrow[j] >= 0) s->d_rows[s->d_hrow[j]] = s->d_qstart[j + 1] - 1;
+      if (s->d_drow[j] < 0) continue;
+      s->d_rows[n_rows + s->d_drow[j]] = s->d_qstart[j + 1] - 1;
+      st = add_dev_spec_to(s, s->cand[s->d_idx[j]], s->d_specs, s->d_drow[j], &n_edits, e);
+      if (st != PD_OK) goto out;
+    }
     pd_batch b = {.n_tokens = nt, .tokens = s->d_tokens, .positions = s->d_pos,
                   .slots = s->d_slots, .n_seqs = ns, .q_start = s->d_qstart, .ctx_len = s->d_ctx,
-                  .block_tables = s->d_bt, .max_blocks = mb, .n_logits = n_rows,
-                  .logit_rows = s->d_rows};
+                  .block_tables = s->d_bt, .max_blocks = mb, .n_logits = n_rows + n_dev,
+                  .logit_rows = s->d_rows, .n_sample = n_dev, .sample = s->d_specs,
+                  .edits = s->edits, .n_edits = n_edits, .sample_out = s->d_outs};
     st = pd_engine_forward(de, &b, s->d_logits, e);
     if (st != PD_OK) goto out;
     s->st.spec_draft_steps++;
-    int row = 0;
     for (int j = 0; j < ns; j++) {
       bool has_row = s->d_idx[j] >= 0;
       int i = has_row ? s->d_idx[j] : -1 - s->d_idx[j];
@@ -1034,11 +1074,16 @@ static pd_status draft_propose(pd_sched *s, int nc, pd_err *e) {
       st = pd_kv_seq_commit(q->dkv, s->d_qstart[j + 1] - s->d_qstart[j], e);
       if (st != PD_OK) goto out;
       if (!has_row) continue;
-      float *lg = s->d_logits + (size_t)row++ * V;
-      float *qd = q->dq_off >= 0 ? s->dq + q->dq_off + (size_t)q->n_draft * V : NULL;
       int32_t tok;
       pd_finish_reason fin = PD_FINISH_NONE;
-      st = pd_spec_draft_token(q->smp, s->ws, lg, qd, &tok, e);
+      if (s->d_drow[j] >= 0) {
+        tok = s->d_outs[s->d_drow[j]].token;
+        if (tok < 0) st = pd_err_set(e, PD_EINVAL, "draft: no token has a finite logit");
+      } else {
+        float *lg = s->d_logits + (size_t)s->d_hrow[j] * V;
+        float *qd = q->dq_off >= 0 ? s->dq + q->dq_off + (size_t)q->n_draft * V : NULL;
+        st = pd_spec_draft_token(q->smp, s->ws, lg, qd, &tok, e);
+      }
       /* accepted tentatively, so the next proposal sees its penalties; rolled back below */
       if (st == PD_OK) st = pd_sampler_accept(q->smp, tok, &fin, e);
       if (st == PD_OK) {
