@@ -77,8 +77,15 @@ static void close_window(pd_spec_policy *p) {
       p->b[b].inc_rate = r;
       p->b[b].explore_every = 4;
     } else {
-      p->b[b].dir = k > p->b[b].inc ? -1 : 1; /* the other side next */
-      if (p->b[b].explore_every < PD_SPEC_MAX_BACKOFF) p->b[b].explore_every *= 2;
+      /* the other side next, and later: at least twice as late, and late enough that a
+       * challenge as slow as this one costs under 1% (it lost inc_rate / r - 1 of its half
+       * window against a whole window per window in between) */
+      p->b[b].dir = k > p->b[b].inc ? -1 : 1;
+      double loss = r > 0 ? p->b[b].inc_rate / r - 1 : 1e9;
+      double need = loss * 0.5 / 0.01;
+      int every = 2 * p->b[b].explore_every;
+      if (need > every) every = need < PD_SPEC_MAX_BACKOFF ? (int)need + 1 : PD_SPEC_MAX_BACKOFF;
+      p->b[b].explore_every = every < PD_SPEC_MAX_BACKOFF ? every : PD_SPEC_MAX_BACKOFF;
     }
     p->b[b].next_explore = p->b[b].windows + p->b[b].explore_every;
   }

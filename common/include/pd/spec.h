@@ -53,12 +53,13 @@ int pd_spec_ngram_propose(const int32_t *t, int n, int ngram_min, int ngram_max,
  * challenges the incumbent with a neighbour (k + 1 first) for half a window; the challenger's
  * rate is compared with the incumbent's window just before it and takes over when it is faster
  * by more than 1%. After a win the next challenge comes soon and goes on in the same direction;
- * while challengers lose they come ever more rarely (up to every 128th window), so exploring
- * costs little where speculation does not pay. */
+ * while challengers lose they come ever more rarely: at least twice as late each time, and late
+ * enough that a challenge as slow as the last one costs under 1% of the time (up to every 256th
+ * window), so exploring costs little where speculation does not pay. */
 #define PD_SPEC_BATCH_BUCKETS 12
 #define PD_SPEC_WINDOW 16
 #define PD_SPEC_WINDOW_WARM 0
-#define PD_SPEC_MAX_BACKOFF 128 /* windows between challenges at most */
+#define PD_SPEC_MAX_BACKOFF 256 /* windows between challenges at most */
 typedef struct pd_spec_policy {
   int K;
   struct {
