@@ -61,9 +61,26 @@ int pd_spec_policy_best(const pd_spec_policy *p, int n_decode) {
  * window just before it (windows side by side, so slow drifts such as growing contexts do
  * not favour whichever was measured earlier). */
 static void close_window(pd_spec_policy *p) {
-  if (!(p->seconds > 0)) return;
+  if (p->n_obs == 0) return;
   int b = p->bucket, k = p->k;
-  double r = p->tokens / p->seconds;
+  double sorted[PD_SPEC_WINDOW], tokens = 0, seconds = 0;
+  for (int i = 0; i < p->n_obs; i++) { /* insertion sort: at most a window of values */
+    int j = i;
+    while (j > 0 && sorted[j - 1] > p->obs_seconds[i]) {
+      sorted[j] = sorted[j - 1];
+      j--;
+    }
+    sorted[j] = p->obs_seconds[i];
+  }
+  const double limit = 3 * sorted[p->n_obs / 2];
+  for (int i = 0; i < p->n_obs; i++)
+    if (p->obs_seconds[i] <= limit) {
+      tokens += p->obs_tokens[i];
+      seconds += p->obs_seconds[i];
+    }
+  p->n_obs = 0;
+  if (!(seconds > 0)) return;
+  double r = tokens / seconds;
   p->b[b].rate[k] = r;
   p->b[b].n[k]++;
   if (p->b[b].inc < 0 || k == p->b[b].inc) {
@@ -89,7 +106,6 @@ static void close_window(pd_spec_policy *p) {
     }
     p->b[b].next_explore = p->b[b].windows + p->b[b].explore_every;
   }
-  p->seconds = p->tokens = 0;
 }
 
 int pd_spec_policy_choose(pd_spec_policy *p, int n_decode) {
@@ -119,6 +135,8 @@ void pd_spec_policy_observe(pd_spec_policy *p, int tokens, double seconds, bool 
     p->warm--;
     return;
   }
-  p->tokens += tokens;
-  p->seconds += seconds;
+  if (p->n_obs < PD_SPEC_WINDOW && seconds > 0) {
+    p->obs_tokens[p->n_obs] = tokens;
+    p->obs_seconds[p->n_obs++] = seconds;
+  }
 }

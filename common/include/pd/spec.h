@@ -70,7 +70,11 @@ typedef struct pd_spec_policy {
     int windows, next_explore, explore_every, dir;
   } b[PD_SPEC_BATCH_BUCKETS];
   int bucket, k, left, warm; /* the current window */
-  double tokens, seconds;
+  /* the current window's counted steps (a step over 3x the window's median time, a graph
+   * being recorded or a stall, is left out of its rate) */
+  int n_obs;
+  int obs_tokens[PD_SPEC_WINDOW];
+  double obs_seconds[PD_SPEC_WINDOW];
 } pd_spec_policy;
 
 void pd_spec_policy_init(pd_spec_policy *p, int K);
