@@ -915,6 +915,25 @@ static pd_status add_dev_spec(pd_sched *s, sseq *q, int idx, int32_t *n_edits, p
   return add_dev_spec_to(s, q, s->specs, idx, n_edits, e);
 }
 
+/* Runs the pool's pending copy-on-write block copies on the engine. */
+static pd_status apply_copies(pd_kv_pool *pool, pd_engine *eng, pd_err *e) {
+  const pd_kv_copy *cp;
+  int ncp = pd_kv_pool_copies(pool, &cp);
+  if (ncp > 0) {
+    int32_t *src = malloc((size_t)ncp * 2 * sizeof *src);
+    if (!src) return pd_err_set(e, PD_ENOMEM, "out of memory");
+    for (int i = 0; i < ncp; i++) {
+      src[i] = cp[i].src;
+      src[ncp + i] = cp[i].dst;
+    }
+    pd_status st = pd_engine_copy_blocks(eng, src, src + ncp, ncp, e);
+    free(src);
+    if (st != PD_OK) return st;
+  }
+  pd_kv_pool_copies_done(pool);
+  return PD_OK;
+}
+
 /* ---- speculative decoding: proposals ---- */
 
 static double now_s(void) {
@@ -1022,23 +1041,8 @@ static pd_status draft_propose(pd_sched *s, int nc, pd_err *e) {
       memcpy(bt, pd_kv_seq_block_table(kv), (size_t)nb * sizeof *bt);
       for (int b = nb; b < mb; b++) bt[b] = 0;
     }
-    const pd_kv_copy *cp; /* the draft pool shares blocks only through its prefix cache */
-    if (pd_kv_pool_copies(dp, &cp) > 0) {
-      int ncp = pd_kv_pool_copies(dp, &cp);
-      int32_t *src = malloc((size_t)ncp * 2 * sizeof *src);
-      if (!src) {
-        st = pd_err_set(e, PD_ENOMEM, "out of memory");
-        goto out;
-      }
-      for (int j = 0; j < ncp; j++) {
-        src[j] = cp[j].src;
-        src[ncp + j] = cp[j].dst;
-      }
-      st = pd_engine_copy_blocks(de, src, src + ncp, ncp, e);
-      free(src);
-      if (st != PD_OK) goto out;
-    }
-    pd_kv_pool_copies_done(dp);
+    /* (the draft pool shares blocks only through its prefix cache) */
+    if ((st = apply_copies(dp, de, e)) != PD_OK) goto out;
     /* a row per sequence whose catch-up is complete: greedy ones drawn on the device where the
      * draft engine samples there (its argmax with the sequence's edits; nothing comes back but
      * the token), the others' logits to the host (their distribution is needed) */
@@ -1265,20 +1269,7 @@ static pd_status step_begin(pd_sched *s, bool *started, pd_err *e) {
     return s->running.n ? PD_OK : pd_err_set(e, PD_EFULL, "no request fits in the KV cache");
   }
   /* copy-on-write copies first */
-  const pd_kv_copy *cp;
-  int ncp = pd_kv_pool_copies(s->pool, &cp);
-  if (ncp > 0) {
-    int32_t *src = malloc((size_t)ncp * 2 * sizeof *src);
-    if (!src) return pd_err_set(e, PD_ENOMEM, "out of memory");
-    for (int i = 0; i < ncp; i++) {
-      src[i] = cp[i].src;
-      src[ncp + i] = cp[i].dst;
-    }
-    st = pd_engine_copy_blocks(s->eng, src, src + ncp, ncp, e);
-    free(src);
-    if (st != PD_OK) return st;
-  }
-  pd_kv_pool_copies_done(s->pool);
+  if ((st = apply_copies(s->pool, s->eng, e)) != PD_OK) return st;
 
   /* the ragged batch; block tables as wide as the longest one of the step */
   int off = 0, n_rows = 0, mb = 1;
