@@ -35,6 +35,9 @@ typedef struct dreq {
   int n_prompt, n_gen_base, n_ctx;
   int32_t *blocks;
   int nb;
+  int32_t *draft_blocks; /* the draft's blocks for the same tokens (dnb 0: none reserved) */
+  int dnb;
+  uint8_t *draft_coverage; /* [draft layers * draft kv heads], as coverage */
   int64_t deadline_ms;
   double t_first_kv; /* pd_mono_s of its first KV message (0: none yet) */
   uint8_t *coverage; /* [num_layers * num_kv_heads]: 1 where that layer's head has landed */
@@ -67,7 +70,7 @@ typedef struct decode {
   pd_metric *m_kv_check_s, *m_kv_unpack_s; /* the loop thread's time on received KV pages */
   pd_metric *m_requests, *m_kv_bytes, *m_kv_transfers, *m_kv_seconds, *m_res_refused,
       *m_res_expired, *m_errors_kv, *m_errors_internal, *m_errors_invalid, *m_itl, *m_reserved,
-      *m_local_prefills;
+      *m_local_prefills, *m_draft_kv_landed, *m_draft_kv_missing;
 } decode;
 
 static decode g;
@@ -104,6 +107,8 @@ static void remove_req(dreq *r) {
     }
   free(r->blocks);
   free(r->coverage);
+  free(r->draft_blocks);
+  free(r->draft_coverage);
   free(r->stop_ids);
   free(r->pend);
   free(r->pend_lp);
@@ -285,11 +290,6 @@ static void on_event(void *user, const pd_sched_event *ev) {
 static void on_reserve(const Pd__Reserve *m) {
   pd_node *n = &g.node;
   pd_err e = {0};
-  if (m->with_draft) {
-    send_reserve_refusal(m->request_id, PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED, false,
-                         "this decode node has no draft model");
-    return;
-  }
   if (find_by_id(m->request_id)) {
     send_reserve_refusal(m->request_id, PD__ERROR_CODE__ERROR_CODE_INVALID_REQUEST, false,
                          "request id is already in use on this node");
@@ -397,6 +397,25 @@ static void on_reserve(const Pd__Reserve *m) {
   r->deadline_ms = pd_now_ms() + (m->ttl_ms ? m->ttl_ms : 30000);
   g.reqs[g.n_reqs++] = r;
   pd_metric_add(g.m_requests, 1);
+  /* the draft's blocks for the same tokens, when the prefill side computes the draft's KV too;
+   * without them (no draft here, or none free) the draft computes that context itself */
+  if (m->with_draft && n->draft_pages.num_layers) {
+    r->draft_blocks = malloc((size_t)cap * sizeof *r->draft_blocks);
+    r->draft_coverage = calloc((size_t)n->draft_pages.num_layers *
+                                   (size_t)n->draft_pages.num_kv_heads, 1);
+    pd_err de = {0};
+    if (!r->draft_blocks || !r->draft_coverage ||
+        pd_sched_reserve_draft(n->rt.sched, r->sid, r->draft_blocks, cap, &r->dnb, &de) !=
+            PD_OK ||
+        r->dnb != r->nb) {
+      if (de.code && de.code != PD_EFULL) pd_log(PD_LOG_WARN, "%s: draft blocks: %s", r->id, de.msg);
+      free(r->draft_blocks);
+      free(r->draft_coverage);
+      r->draft_blocks = NULL;
+      r->draft_coverage = NULL;
+      r->dnb = 0;
+    }
+  }
 
   Pd__ReserveReply rr;
   pd__reserve_reply__init(&rr);
@@ -407,13 +426,15 @@ static void on_reserve(const Pd__Reserve *m) {
   rr.reservation_token.len = sizeof r->token;
   rr.n_block_ids = (size_t)r->nb;
   rr.block_ids = r->blocks;
+  rr.n_draft_block_ids = (size_t)r->dnb;
+  rr.draft_block_ids = r->draft_blocks;
   Pd__Envelope env;
   pd_wire_envelope_init(&env);
   env.body_case = PD__ENVELOPE__BODY_RESERVE_REPLY;
   env.reserve_reply = &rr;
   pd_node_send(n, &env);
-  pd_log(PD_LOG_DEBUG, "%s: reserved %d blocks for %d tokens (reservation %llu)", r->id, r->nb,
-         n_ctx, (unsigned long long)r->reservation_id);
+  pd_log(PD_LOG_DEBUG, "%s: reserved %d blocks (%d of the draft) for %d tokens (reservation %llu)",
+         r->id, r->nb, r->dnb, n_ctx, (unsigned long long)r->reservation_id);
 }
 
 /* A unified node's whole request: prefilled in this node's batch (chunked with the running
@@ -531,12 +552,16 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
   memcpy(r->prefill_rid, m->routing_id, m->routing_id_len);
   r->prefill_rid_len = m->routing_id_len;
   if (!r->t_first_kv) r->t_first_kv = pd_mono_s();
-  if (h->draft) {
-    fail_req(r, PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED, "draft KV sent to a node without a draft");
+  if (h->draft && !r->dnb) {
+    pd_metric_add(g.m_errors_kv, 1);
+    fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL,
+             "draft KV for a reservation without draft blocks");
     return;
   }
-  if (h->n_block_ids != (size_t)r->nb ||
-      memcmp(h->block_ids, r->blocks, (size_t)r->nb * sizeof *r->blocks) != 0) {
+  const int32_t *want_ids = h->draft ? r->draft_blocks : r->blocks;
+  const int want_nb = h->draft ? r->dnb : r->nb;
+  if (h->n_block_ids != (size_t)want_nb ||
+      memcmp(h->block_ids, want_ids, (size_t)want_nb * sizeof *want_ids) != 0) {
     pd_metric_add(g.m_errors_kv, 1);
     fail_req(r, PD__ERROR_CODE__ERROR_CODE_PROTOCOL,
              "KV header block ids differ from the reservation");
@@ -577,7 +602,8 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
     const void *buf = rx ? rx : m->payload[i];
     const size_t len = rx ? total : m->payload_len[i];
     /* host pages: memcpy; device pages: kv_scatter from buf (pd_node_kv_unpack) */
-    pd_status st = pd_node_kv_unpack(n, &s, r->blocks, r->nb, off, buf, len, &e);
+    pd_status st = h->draft ? pd_node_draft_kv_unpack(n, &s, want_ids, want_nb, off, buf, len, &e)
+                            : pd_node_kv_unpack(n, &s, want_ids, want_nb, off, buf, len, &e);
     if (st == PD_EBACKEND) { /* the device failed, not the message */
       pd_metric_add(g.m_errors_internal, 1);
       if (!pd_node_check_device(n)) fail_req(r, PD__ERROR_CODE__ERROR_CODE_INTERNAL, e.msg);
@@ -591,10 +617,12 @@ static void on_kv_header(const pd_net_msg *m, const Pd__KvTransferHeader *h) {
     off += len;
   }
   pd_metric_add(g.m_kv_unpack_s, pd_mono_s() - t0);
-  int H = n->pages.num_kv_heads, h0 = n->pages.head_offset;
+  const pd_kv_pages *pg = h->draft ? &n->draft_pages : &n->pages;
+  uint8_t *cov = h->draft ? r->draft_coverage : r->coverage;
+  int H = pg->num_kv_heads, h0 = pg->head_offset;
   for (int l = s.layer_begin; l < s.layer_end; l++)
     for (int hh = s.head_begin; hh < s.head_end; hh++)
-      if (hh >= h0 && hh < h0 + H) r->coverage[(size_t)l * (size_t)H + (size_t)(hh - h0)] = 1;
+      if (hh >= h0 && hh < h0 + H) cov[(size_t)l * (size_t)H + (size_t)(hh - h0)] = 1;
   r->bytes += off;
   pd_metric_add(g.m_kv_bytes, (double)off);
 }
@@ -623,6 +651,17 @@ static void on_kv_done(const pd_net_msg *m, const Pd__KvTransferDone *d) {
     return;
   }
   pd_err e = {0};
+  if (r->dnb) { /* the draft's pages too, when every layer and head of them came */
+    size_t dcells = (size_t)n->draft_pages.num_layers * (size_t)n->draft_pages.num_kv_heads;
+    bool all = true;
+    for (size_t i = 0; i < dcells && all; i++) all = r->draft_coverage[i];
+    if (all && pd_sched_draft_landed(n->rt.sched, r->sid, &e) != PD_OK) {
+      pd_metric_add(g.m_errors_internal, 1);
+      fail_req(r, PD__ERROR_CODE__ERROR_CODE_INTERNAL, e.msg);
+      return;
+    }
+    pd_metric_add(all ? g.m_draft_kv_landed : g.m_draft_kv_missing, 1);
+  }
   if (pd_sched_activate(n->rt.sched, r->sid, d->first_token_id, &e) != PD_OK) {
     pd_metric_add(g.m_errors_internal, 1);
     fail_req(r, PD__ERROR_CODE__ERROR_CODE_INTERNAL, e.msg);
@@ -771,6 +810,14 @@ int main(int argc, char **argv) {
                                         "From a request's first KV chunk to its KvTransferDone.",
                                         NULL, pd_metrics_fine_buckets,
                                         pd_metrics_fine_buckets_n);
+  g.m_draft_kv_landed = pd_metrics_counter(
+      m, "pd_node_draft_kv_transfers_total",
+      "Transfers into reserved draft blocks, by whether the draft's KV came whole.",
+      "outcome=\"landed\"");
+  g.m_draft_kv_missing = pd_metrics_counter(
+      m, "pd_node_draft_kv_transfers_total",
+      "Transfers into reserved draft blocks, by whether the draft's KV came whole.",
+      "outcome=\"missing\"");
   g.m_local_prefills = pd_metrics_counter(m, "pd_node_local_prefills_total",
                                           "Requests this unified node prefilled itself.", NULL);
   g.m_reserved = pd_metrics_gauge(m, "pd_node_kv_blocks_reserved",

@@ -29,6 +29,8 @@ typedef struct preq {
   uint8_t reservation_token[PD_WIRE_TOKEN_BYTES]; /* the decode node's, sent with every KV message */
   int32_t *dest_blocks;
   int n_dest_blocks;
+  int32_t *dest_draft_blocks; /* the decode node's draft blocks (none: no draft KV shipped) */
+  int n_dest_draft_blocks;
   int64_t t_start;
 } preq;
 
@@ -61,7 +63,7 @@ typedef struct prefill {
   pd_metric *m_kv_pack_s, *m_kv_check_s, *m_kv_send_s; /* the loop thread's time on KV */
   pd_metric *m_kv_frames_pinned, *m_kv_frames_malloc; /* KV frames by where their memory came from */
   pd_metric *m_requests, *m_kv_bytes, *m_kv_seconds, *m_kv_transfers, *m_errors_invalid,
-      *m_errors_internal, *m_errors_kv, *m_ttft;
+      *m_errors_internal, *m_errors_kv, *m_ttft, *m_draft_kv_transfers;
 } prefill;
 
 static prefill g;
@@ -87,6 +89,7 @@ static void remove_req(preq *r) {
       break;
     }
   free(r->dest_blocks);
+  free(r->dest_draft_blocks);
   free(r);
 }
 
@@ -247,33 +250,26 @@ static void frames_put(void **frames, int nf, bool pinned) {
   }
 }
 
-/* Packs the request's pages (all layers, all heads, in chunks of whole layers) and queues the
- * headers and KvTransferDone on the decode node's link. On a GPU the pages are gathered from
- * device memory into the frames (pd_node_kv_pack: one kv_gather_runs call per frame);
- * the step's forward is queued before on the same stream, so the KV it wrote is there. */
-static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogprob *first_lp,
-                         pd_err *e) {
+/* Packs one cache's pages of the request (the model's, or with draft the draft model's: all
+ * layers, all heads, in chunks of whole layers) from src[nb] and queues their headers on link l
+ * towards dst[nb]. On a GPU the pages are gathered from device memory into the frames
+ * (pd_node_kv_pack: one kv_gather_runs call per frame); the step's forward is queued before on
+ * the same stream, so the KV it wrote is there. */
+static pd_status ship_pages(preq *r, kv_link *l, bool draft, const int32_t *src,
+                            const int32_t *dst, int nb, uint32_t *n_chunks, uint64_t *total,
+                            pd_err *e) {
   pd_node *n = &g.node;
-  int bs = n->pages.block_size, n_ctx = r->n_prompt + r->n_gen;
-  int nb = (n_ctx + bs - 1) / bs;
-  if (ev->n_kv_tokens < n_ctx || ev->n_blocks < nb || nb != r->n_dest_blocks)
-    return pd_err_set(e, PD_EINVAL, "KV of %d tokens in %d blocks, %d destination blocks",
-                      ev->n_kv_tokens, ev->n_blocks, r->n_dest_blocks);
-  kv_link *l = link_get(r->endpoint, r->dest_key, e);
-  if (!l) return e->code;
-  l->last_used_ms = pd_now_ms();
-  pd_kv_slice whole = {0, n->pages.num_layers, 0, n->pages.num_kv_heads};
-  size_t seg = pd_kvpack_segment_bytes(&n->pages, &whole);
+  const pd_kv_pages *pg = draft ? &n->draft_pages : &n->pages;
+  pd_kv_slice whole = {0, pg->num_layers, 0, pg->num_kv_heads};
+  size_t seg = pd_kvpack_segment_bytes(pg, &whole);
   size_t per_layer = 2 * (size_t)nb * seg;
   if (!seg || !per_layer) return pd_err_set(e, PD_EINVAL, "empty KV layout");
   int lpc = (int)(g.chunk_bytes / per_layer);
   if (lpc < 1) lpc = 1;
-  uint32_t n_chunks = 0;
-  uint64_t total = 0;
-  for (int lb = 0; lb < n->pages.num_layers; lb += lpc) {
-    int le = lb + lpc < n->pages.num_layers ? lb + lpc : n->pages.num_layers;
-    pd_kv_slice s = {lb, le, 0, n->pages.num_kv_heads};
-    size_t size = pd_kvpack_size(&n->pages, &s, nb);
+  for (int lb = 0; lb < pg->num_layers; lb += lpc) {
+    int le = lb + lpc < pg->num_layers ? lb + lpc : pg->num_layers;
+    pd_kv_slice s = {lb, le, 0, pg->num_kv_heads};
+    size_t size = pd_kvpack_size(pg, &s, nb);
     int nf = (int)((size + g.chunk_bytes - 1) / g.chunk_bytes);
     if (nf > n->lim.max_payload_frames)
       return pd_err_set(e, PD_ERANGE, "a KV chunk needs %d frames", nf);
@@ -295,7 +291,8 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
         break;
       }
       const double t0 = pd_mono_s();
-      st = pd_node_kv_pack(n, &s, ev->block_table, nb, off, frames[f], len, e);
+      st = draft ? pd_node_draft_kv_pack(n, &s, src, nb, off, frames[f], len, e)
+                 : pd_node_kv_pack(n, &s, src, nb, off, frames[f], len, e);
       const double t1 = pd_mono_s();
       crc = pd_crcpool_crc32(n->kv_crc, crc, frames[f], len);
       t_pack += t1 - t0;
@@ -317,18 +314,19 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
     h.reservation_id = r->reservation_id;
     h.reservation_token.data = r->reservation_token;
     h.reservation_token.len = sizeof r->reservation_token;
-    h.chunk_index = n_chunks;
+    h.chunk_index = *n_chunks;
+    h.draft = draft;
     h.layer_begin = (uint32_t)lb;
     h.layer_end = (uint32_t)le;
     h.head_begin = 0;
-    h.head_end = (uint32_t)n->pages.num_kv_heads;
-    h.num_layers = (uint32_t)n->pages.num_layers;
-    h.block_size = (uint32_t)bs;
-    h.head_dim = (uint32_t)n->pages.head_dim;
-    h.dtype = pd_wire_dtype_from_pd(n->pages.dtype);
+    h.head_end = (uint32_t)pg->num_kv_heads;
+    h.num_layers = (uint32_t)pg->num_layers;
+    h.block_size = (uint32_t)pg->block_size;
+    h.head_dim = (uint32_t)pg->head_dim;
+    h.dtype = pd_wire_dtype_from_pd(pg->dtype);
     h.n_block_ids = (size_t)nb;
-    h.block_ids = r->dest_blocks;
-    h.offset = pd_kvpack_offset(&n->pages, &s, nb);
+    h.block_ids = (int32_t *)dst;
+    h.offset = pd_kvpack_offset(pg, &s, nb);
     h.n_frame_bytes = (size_t)nf;
     h.frame_bytes = fb;
     h.checksum_opt_case = PD__KV_TRANSFER_HEADER__CHECKSUM_OPT_CRC32;
@@ -343,8 +341,37 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
                 : pd_outbox_send(&l->out, &env, frames, lens, nf, e);
     pd_metric_add(g.m_kv_send_s, pd_mono_s() - t_send);
     if (st != PD_OK) return st;
-    n_chunks++;
-    total += size;
+    (*n_chunks)++;
+    *total += size;
+  }
+  return PD_OK;
+}
+
+/* Ships the request's KV: the model's pages, the draft model's where the decode node reserved
+ * blocks for them and this node computed them, then KvTransferDone. */
+static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogprob *first_lp,
+                         pd_err *e) {
+  pd_node *n = &g.node;
+  int bs = n->pages.block_size, n_ctx = r->n_prompt + r->n_gen;
+  int nb = (n_ctx + bs - 1) / bs;
+  if (ev->n_kv_tokens < n_ctx || ev->n_blocks < nb || nb != r->n_dest_blocks)
+    return pd_err_set(e, PD_EINVAL, "KV of %d tokens in %d blocks, %d destination blocks",
+                      ev->n_kv_tokens, ev->n_blocks, r->n_dest_blocks);
+  kv_link *l = link_get(r->endpoint, r->dest_key, e);
+  if (!l) return e->code;
+  l->last_used_ms = pd_now_ms();
+  uint32_t n_chunks = 0;
+  uint64_t total = 0;
+  pd_status st = ship_pages(r, l, false, ev->block_table, r->dest_blocks, nb, &n_chunks, &total, e);
+  if (st != PD_OK) return st;
+  /* (a draft without its KV of the whole context ships nothing: the decode node's draft then
+   * computes it) */
+  if (r->n_dest_draft_blocks == nb && ev->draft_block_table && ev->n_draft_kv_tokens >= n_ctx &&
+      ev->n_draft_blocks >= nb) {
+    st = ship_pages(r, l, true, ev->draft_block_table, r->dest_draft_blocks, nb, &n_chunks,
+                    &total, e);
+    if (st != PD_OK) return st;
+    pd_metric_add(g.m_draft_kv_transfers, 1);
   }
   Pd__KvTransferDone d;
   pd__kv_transfer_done__init(&d);
@@ -361,7 +388,7 @@ static pd_status ship_kv(preq *r, const pd_sched_event *ev, const Pd__TokenLogpr
   pd_wire_envelope_init(&env);
   env.body_case = PD__ENVELOPE__BODY_KV_DONE;
   env.kv_done = &d;
-  pd_status st = pd_outbox_send(&l->out, &env, NULL, NULL, 0, e);
+  st = pd_outbox_send(&l->out, &env, NULL, NULL, 0, e);
   if (st) return st;
   pd_outbox_flush(&l->out);
   pd_metric_add(g.m_kv_bytes, (double)total);
@@ -429,12 +456,17 @@ static void on_prefill(const Pd__Prefill *m) {
                          "the destination KV cache has another geometry than this node's");
       return;
     }
-    if (d->n_draft_block_ids) {
-      pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_UNSUPPORTED, m->request_id, false,
-                         "this prefill node has no draft model");
-      return;
-    }
   }
+  /* the draft's KV goes where the decode node has blocks for it and its draft's cache is this
+   * node's draft's; otherwise only the model's (that node's draft computes the context) */
+  const Pd__KvGeometry *dk = d && d->n_draft_block_ids ? d->draft_kv : NULL;
+  const pd_kv_pages *dp = &n->draft_pages;
+  const bool ship_draft = dk && dp->num_layers && dk->block_size == (uint32_t)dp->block_size &&
+                          dk->num_layers == (uint32_t)dp->num_layers &&
+                          dk->head_dim == (uint32_t)dp->head_dim &&
+                          pd_wire_dtype_to_pd(dk->dtype) == (int)dp->dtype &&
+                          dk->kv_head_end <= (uint32_t)dp->num_kv_heads &&
+                          d->n_draft_block_ids == d->n_block_ids;
   pd_sampling_params p;
   pd_logit_bias *bias = NULL;
   pd_status st = pd_node_sampling(n, m->request_id, m->sampling, &p, &bias);
@@ -474,12 +506,17 @@ static void on_prefill(const Pd__Prefill *m) {
       return;
     }
     memcpy(r->dest_blocks, d->block_ids, d->n_block_ids * sizeof *r->dest_blocks);
+    if (ship_draft && (r->dest_draft_blocks = malloc(d->n_draft_block_ids * sizeof(int32_t)))) {
+      memcpy(r->dest_draft_blocks, d->draft_block_ids, d->n_draft_block_ids * sizeof(int32_t));
+      r->n_dest_draft_blocks = (int)d->n_draft_block_ids;
+    }
   }
   st = pd_node_sched_prefill(n, m, r->sid, &p);
   free(bias);
   if (st != PD_OK) {
     pd_metric_add(g.m_errors_invalid, 1);
     free(r->dest_blocks);
+    free(r->dest_draft_blocks);
     free(r);
     return;
   }
@@ -489,6 +526,7 @@ static void on_prefill(const Pd__Prefill *m) {
     if (!v) {
       pd_sched_abort(n->rt.sched, r->sid);
       free(r->dest_blocks);
+      free(r->dest_draft_blocks);
       free(r);
       pd_node_send_error(n, PD__ERROR_CODE__ERROR_CODE_INTERNAL, m->request_id, true,
                          "out of memory");
@@ -571,6 +609,9 @@ int main(int argc, char **argv) {
                                     "KV page bytes sent to decode nodes.", "direction=\"sent\"");
   g.m_kv_transfers = pd_metrics_counter(m, "pd_node_kv_transfers_total",
                                         "KV transfers sent.", "direction=\"sent\"");
+  g.m_draft_kv_transfers = pd_metrics_counter(
+      m, "pd_node_draft_kv_transfers_total",
+      "KV transfers that carried the draft model's pages too.", "direction=\"sent\"");
   static const char *const kv_work[3] = {"pack", "checksum", "send"};
   pd_metric **kv_work_m[3] = {&g.m_kv_pack_s, &g.m_kv_check_s, &g.m_kv_send_s};
   for (int i = 0; i < 3; i++) {

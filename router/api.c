@@ -146,6 +146,7 @@ void api_req_free(router *r, rreq *q) {
     text_free(s);
     free(s->gen);
     free(s->blocks);
+    free(s->draft_blocks);
   }
   free(q->subs);
   for (int i = 0; i < q->n_prompts; i++) {

@@ -258,6 +258,16 @@ static void on_register(router *r, const pd_net_msg *m, const Pd__Register *g) {
   n->lim = r->lim;
   n->lim.total_blocks = (int32_t)k->total_blocks;
   n->lim.block_size = (int32_t)k->block_size;
+  n->has_draft = g->draft_kv != NULL;
+  n->draft_fingerprint = n->has_draft ? g->draft_fingerprint : 0;
+  n->draft_num_layers = n->has_draft ? g->draft_kv->num_layers : 0;
+  n->draft_num_kv_heads = n->has_draft ? g->draft_kv->num_kv_heads : 0;
+  n->draft_head_dim = n->has_draft ? g->draft_kv->head_dim : 0;
+  n->draft_total_blocks = n->has_draft ? g->draft_kv->total_blocks : 0;
+  n->lim.draft_total_blocks = (int32_t)n->draft_total_blocks;
+  n->lim.draft_num_layers = (int32_t)n->draft_num_layers;
+  n->lim.draft_num_kv_heads = (int32_t)n->draft_num_kv_heads;
+  n->lim.draft_head_dim = (int32_t)n->draft_head_dim;
   load_update(n, g->load);
   n->last_seen_ms = pd_now_ms();
   pd_err e = {0};
@@ -480,12 +490,33 @@ rnode *registry_choose_prefill(router *r, const rnode *dest, const int32_t *ids,
     int nh = prompt_hashes(p, ids, n, cache_salt, hs, 64), hit = 0;
     while (hit < nh && p->affinity[hs[hit] % AFFINITY_SLOTS] == hs[hit]) hit++;
     int64_t score = p->est_queued_tokens - (int64_t)hit * p->block_size;
+    /* a node that can compute the destination's draft KV first (the other makes the decode
+     * node's draft compute the context itself) */
+    if (dest && dest->has_draft && !registry_same_draft(p, dest)) score += INT64_MAX / 4;
     if (!best || score < best_score) {
       best = p;
       best_score = score;
     }
   }
   return best;
+}
+
+bool registry_same_draft(const rnode *p, const rnode *d) {
+  return p->has_draft && d->has_draft && p->draft_fingerprint == d->draft_fingerprint &&
+         p->draft_num_layers == d->draft_num_layers &&
+         p->draft_num_kv_heads == d->draft_num_kv_heads &&
+         p->draft_head_dim == d->draft_head_dim && p->block_size == d->block_size &&
+         p->dtype == d->dtype;
+}
+
+bool registry_draft_prefill_for(router *r, const rnode *d) {
+  if (!d->has_draft) return false;
+  for (int i = 0; i < r->n_nodes; i++) {
+    const rnode *p = r->nodes[i];
+    if (p->role == PD__ROLE__ROLE_PREFILL && usable(r, p) && registry_same_draft(p, d))
+      return true;
+  }
+  return false;
 }
 
 void registry_note_prefill(router *r, rnode *p, const int32_t *ids, int n, uint64_t cache_salt) {

@@ -126,6 +126,8 @@ static void release_attempt(router *r, rsub *s, bool abort, Pd__ErrorCode code,
   drop_node(s, &s->decode);
   free(s->blocks);
   s->blocks = NULL;
+  free(s->draft_blocks);
+  s->draft_blocks = NULL;
   s->nb = 0;
   s->reservation_id = 0;
   memset(s->reservation_token, 0, sizeof s->reservation_token);
@@ -216,6 +218,8 @@ static bool send_reserve(router *r, rsub *s, rnode *d) {
   fill_sampling_ids(&rs.sampling, s);
   rs.sample_index = s->sample_index;
   rs.cache_salt = s->req->cache_salt_str;
+  /* draft blocks too where a prefill node can fill them */
+  rs.with_draft = registry_draft_prefill_for(r, d);
   Pd__Envelope env;
   pd_wire_envelope_init(&env);
   env.body_case = PD__ENVELOPE__BODY_RESERVE;
@@ -242,7 +246,7 @@ static bool send_prefill(router *r, rsub *s, rnode *p, rnode *d) {
   Pd__Prefill pf;
   prefill_init(&pf, s);
   Pd__KvDestination dest;
-  Pd__KvGeometry g;
+  Pd__KvGeometry g, dg;
   if (d) {
     pd__kv_destination__init(&dest);
     dest.node_id = d->id;
@@ -266,6 +270,20 @@ static bool send_prefill(router *r, rsub *s, rnode *p, rnode *d) {
     g.kv_head_begin = d->kv_head_begin;
     g.kv_head_end = d->kv_head_end;
     dest.kv = &g;
+    if (s->draft_blocks && registry_same_draft(p, d)) {
+      dest.n_draft_block_ids = (size_t)s->nb;
+      dest.draft_block_ids = s->draft_blocks;
+      pd__kv_geometry__init(&dg);
+      dg.num_layers = d->draft_num_layers;
+      dg.num_kv_heads = d->draft_num_kv_heads;
+      dg.head_dim = d->draft_head_dim;
+      dg.block_size = d->block_size;
+      dg.dtype = d->dtype;
+      dg.total_blocks = d->draft_total_blocks;
+      dg.kv_head_begin = 0;
+      dg.kv_head_end = d->draft_num_kv_heads;
+      dest.draft_kv = &dg;
+    }
     pf.dest = &dest;
   }
   Pd__Envelope env;
@@ -512,6 +530,11 @@ static void on_reserve_reply(router *r, rnode *n, const Pd__ReserveReply *rr) {
   }
   memcpy(s->blocks, rr->block_ids, rr->n_block_ids * sizeof *s->blocks);
   s->nb = (int)rr->n_block_ids;
+  free(s->draft_blocks);
+  s->draft_blocks = NULL;
+  if (rr->n_draft_block_ids == rr->n_block_ids && n->has_draft &&
+      (s->draft_blocks = malloc(rr->n_draft_block_ids * sizeof *s->draft_blocks)))
+    memcpy(s->draft_blocks, rr->draft_block_ids, rr->n_draft_block_ids * sizeof *s->draft_blocks);
   s->reservation_id = rr->reservation_id;
   memcpy(s->reservation_token, rr->reservation_token.data, sizeof s->reservation_token);
   rnode *pn = registry_choose_prefill(r, n, p->ids, p->n, s->req->cache_salt);

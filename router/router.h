@@ -84,6 +84,11 @@ struct rnode {
   uint32_t num_layers, num_kv_heads, head_dim, block_size, total_blocks, kv_head_begin,
       kv_head_end;
   Pd__KvDtype dtype;
+  /* its draft model's cache (speculative decoding with a draft; has_draft false: none) and
+   * the draft's files, so that draft KV goes only between nodes with the same draft */
+  bool has_draft;
+  uint64_t draft_fingerprint;
+  uint32_t draft_num_layers, draft_num_kv_heads, draft_head_dim, draft_total_blocks;
   uint32_t vocab_size, max_model_len, max_batch_tokens;
   pd_wire_limits lim; /* the router's limits with this node's resources */
   /* load: the last heartbeat, and what the router sent since */
@@ -114,6 +119,11 @@ int registry_count(router *r, Pd__Role role, bool usable_only);
 rnode *registry_choose_decode(router *r, int need_blocks, const rnode *exclude);
 rnode *registry_choose_prefill(router *r, const rnode *dest, const int32_t *ids, int n,
                                uint64_t cache_salt);
+/* Whether prefill node p can compute the KV of decode node d's draft model (the same draft
+ * files and cache geometry). */
+bool registry_same_draft(const rnode *p, const rnode *d);
+/* Whether a usable prefill node can compute decode node d's draft KV. */
+bool registry_draft_prefill_for(router *r, const rnode *d);
 /* Records that a prompt was sent to prefill node p (affinity, queued tokens). */
 void registry_note_prefill(router *r, rnode *p, const int32_t *ids, int n, uint64_t cache_salt);
 /* The usable unified node with room for n_ctx tokens that has the most of the prompt cached
@@ -164,6 +174,7 @@ struct rsub {
   uint8_t reservation_token[PD_WIRE_TOKEN_BYTES];
   int32_t *blocks;
   int nb;
+  int32_t *draft_blocks; /* the decode node's draft blocks for the same tokens (or NULL) */
   /* output tokens received so far (all attempts) */
   int32_t *gen;
   int n_gen, cap_gen;

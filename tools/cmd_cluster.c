@@ -431,9 +431,10 @@ static int cluster_up(int argc, char **argv) {
   pd_opt opts[] = {
       {"model", PD_OPT_STR, &model, "DIR", "model folder (every process)", NULL},
       {"speculative-model", PD_OPT_STR, &draft, "DIR",
-       "speculative decoding with this draft model on every decode and unified node", NULL},
+       "speculative decoding with this draft model: decode and unified nodes speculate, prefill "
+       "nodes ship the draft's KV with the model's", NULL},
       {"speculative-method", PD_OPT_STR, &spec_method, "M",
-       "draft (the default with --speculative-model) or ngram, on every decode and unified node",
+       "draft (the default with --speculative-model) or ngram, on every node",
        NULL},
       {"num-speculative-tokens", PD_OPT_INT, &spec_k, "K",
        "speculative decoding: most tokens proposed per step (the nodes' default: 4)", NULL},
@@ -713,11 +714,13 @@ static int cluster_up(int argc, char **argv) {
     cl_proc_arg(p, pre ? prefill_bin : decode_bin);
     cl_proc_arg(p, "--model");
     cl_proc_arg(p, model_abs);
-    if (!pre && draft) { /* decode nodes speculate (prefill nodes compute no draft KV) */
+    /* every node: decode nodes speculate, prefill nodes compute the draft's KV of the prompts
+     * and ship it with the model's */
+    if (draft) {
       cl_proc_arg(p, "--speculative-model");
       cl_proc_arg(p, draft_abs);
     }
-    if (!pre && spec_method) {
+    if (spec_method) {
       cl_proc_arg(p, "--speculative-method");
       cl_proc_arg(p, spec_method);
     }

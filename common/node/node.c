@@ -157,16 +157,21 @@ int pd_node_opts_parse(pd_node_opts *o, Pd__Role role, int argc, char **argv) {
 /* ---- helpers ---- */
 
 
-void pd_node_geometry(const pd_node *n, Pd__KvGeometry *g) {
+static void pages_geometry(const pd_kv_pages *p, Pd__KvGeometry *g) {
   pd__kv_geometry__init(g);
-  g->num_layers = (uint32_t)n->pages.num_layers;
-  g->num_kv_heads = (uint32_t)n->pages.num_kv_heads;
-  g->head_dim = (uint32_t)n->pages.head_dim;
-  g->block_size = (uint32_t)n->pages.block_size;
-  g->dtype = pd_wire_dtype_from_pd(n->pages.dtype);
-  g->total_blocks = (uint32_t)n->pages.num_blocks;
-  g->kv_head_begin = (uint32_t)n->pages.head_offset;
-  g->kv_head_end = (uint32_t)(n->pages.head_offset + n->pages.num_kv_heads);
+  g->num_layers = (uint32_t)p->num_layers;
+  g->num_kv_heads = (uint32_t)p->num_kv_heads;
+  g->head_dim = (uint32_t)p->head_dim;
+  g->block_size = (uint32_t)p->block_size;
+  g->dtype = pd_wire_dtype_from_pd(p->dtype);
+  g->total_blocks = (uint32_t)p->num_blocks;
+  g->kv_head_begin = (uint32_t)p->head_offset;
+  g->kv_head_end = (uint32_t)(p->head_offset + p->num_kv_heads);
+}
+
+void pd_node_geometry(const pd_node *n, Pd__KvGeometry *g) { pages_geometry(&n->pages, g); }
+void pd_node_draft_geometry(const pd_node *n, Pd__KvGeometry *g) {
+  pages_geometry(&n->draft_pages, g);
 }
 
 void pd_node_logprob(const pd_logprobs *lp, Pd__TokenLogprob *out, Pd__TopLogprob **top_buf,
@@ -207,6 +212,23 @@ pd_status pd_node_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids
   if (n->kvstage)
     return pd_kvstage_unpack_range(n->kvstage, &n->pages, s, ids, nb, off, buf, len, e);
   return pd_kvpack_unpack_range(&n->pages, s, ids, nb, off, buf, len, e);
+}
+
+pd_status pd_node_draft_kv_pack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,
+                                size_t off, void *buf, size_t len, pd_err *e) {
+  if (!n->draft_pages.num_layers) return pd_err_set(e, PD_EINVAL, "no draft model");
+  if (n->draft_kvstage)
+    return pd_kvstage_pack_range(n->draft_kvstage, &n->draft_pages, s, ids, nb, off, buf, len, e);
+  return pd_kvpack_pack_range(&n->draft_pages, s, ids, nb, off, buf, len, e);
+}
+
+pd_status pd_node_draft_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,
+                                  size_t off, const void *buf, size_t len, pd_err *e) {
+  if (!n->draft_pages.num_layers) return pd_err_set(e, PD_EINVAL, "no draft model");
+  if (n->draft_kvstage)
+    return pd_kvstage_unpack_range(n->draft_kvstage, &n->draft_pages, s, ids, nb, off, buf, len,
+                                   e);
+  return pd_kvpack_unpack_range(&n->draft_pages, s, ids, nb, off, buf, len, e);
 }
 
 void *pd_node_kv_rx_buf(pd_node *n, size_t len) {
@@ -282,6 +304,12 @@ static void send_register(pd_node *n) {
   r.tp_size = 1;
   r.max_batch_tokens = (uint32_t)pd_engine_get_opts(n->rt.eng)->max_batch_tokens;
   r.unified = n->o.unified;
+  Pd__KvGeometry dg;
+  if (n->draft_pages.num_layers) {
+    pd_node_draft_geometry(n, &dg);
+    r.draft_kv = &dg;
+    r.draft_fingerprint = n->draft_fingerprint;
+  }
   Pd__Load load;
   pd__load__init(&load);
   if (n->hooks.fill_load) n->hooks.fill_load(n, &load);
@@ -650,6 +678,7 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
   ro.model_dir = o->model_dir;
   if (ro.decode_prefill_tokens < 0)
     ro.decode_prefill_tokens = o->unified ? PD_UNIFIED_DECODE_PREFILL_TOKENS : 0;
+  ro.draft_prefill = role == PD__ROLE__ROLE_PREFILL; /* it ships the draft's KV */
   if ((st = pd_runtime_open(&n->rt, &ro, on_event, ev_user, e)) != PD_OK) return st;
 
   /* the KV cache: host pages on the CPU backend (memcpy), device pages on a GPU (staged through
@@ -687,6 +716,24 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
                            .num_kv_heads = shape.num_kv_heads, .head_offset = 0,
                            .block_size = shape.block_size, .head_dim = shape.head_dim,
                            .dtype = shape.dtype};
+  if (n->rt.draft_eng) { /* the draft's cache, shipped (prefill) or received (decode) */
+    const pd_model_config *dc = &n->rt.draft_model->cfg;
+    if ((st = pd_model_fingerprint(o->rt.speculative_model, &n->draft_fingerprint, e)) != PD_OK)
+      return st;
+    n->draft_layers = calloc((size_t)dc->num_layers, sizeof *n->draft_layers);
+    if (!n->draft_layers) return pd_err_set(e, PD_ENOMEM, "out of memory");
+    pd_kv_shape ds = {0};
+    for (int l = 0; l < dc->num_layers; l++)
+      if ((st = pd_engine_kv(n->rt.draft_eng, l, &n->draft_layers[l], &ds, e)) != PD_OK)
+        return st;
+    n->draft_pages = (pd_kv_pages){.layers = n->draft_layers, .num_layers = dc->num_layers,
+                                   .num_blocks = pd_kv_pool_num_blocks(n->rt.draft_pool),
+                                   .num_kv_heads = ds.num_kv_heads, .head_offset = 0,
+                                   .block_size = ds.block_size, .head_dim = ds.head_dim,
+                                   .dtype = ds.dtype};
+    pd_backend *dbe = n->rt.draft_be ? n->rt.draft_be : n->rt.be;
+    if (!dbe->host_memory && !(n->draft_kvstage = pd_kvstage_new(dbe, 0, e))) return e->code;
+  }
   pd_wire_limits_init(&n->lim);
   n->lim.vocab_size = c->vocab_size;
   n->lim.total_blocks = n->pages.num_blocks;
@@ -695,6 +742,10 @@ pd_status pd_node_open(pd_node *n, const pd_node_opts *o, Pd__Role role,
   n->lim.num_kv_heads = n->pages.num_kv_heads;
   n->lim.head_dim = n->pages.head_dim;
   n->lim.kv_dtype = (int)n->pages.dtype;
+  n->lim.draft_total_blocks = n->draft_pages.num_blocks;
+  n->lim.draft_num_layers = n->draft_pages.num_layers;
+  n->lim.draft_num_kv_heads = n->draft_pages.num_kv_heads;
+  n->lim.draft_head_dim = n->draft_pages.head_dim;
 
   n->metrics = pd_metrics_new(e);
   if (!n->metrics) return e->code;
@@ -779,9 +830,14 @@ void pd_node_close(pd_node *n) {
   n->kv_crc = NULL;
   pd_kvstage_free(n->kvstage); /* before its backend */
   n->kvstage = NULL;
+  pd_kvstage_free(n->draft_kvstage);
+  n->draft_kvstage = NULL;
   pd_runtime_close(&n->rt);
   free(n->layers);
   n->layers = NULL;
+  free(n->draft_layers);
+  n->draft_layers = NULL;
+  memset(&n->draft_pages, 0, sizeof n->draft_pages);
   pd_metrics_free(n->metrics);
   n->metrics = NULL;
 }

@@ -139,6 +139,12 @@ struct pd_node {
                                 backend, device pointers on a GPU (then only pd_kvstage may
                                 touch them: use pd_node_kv_pack / pd_node_kv_unpack) */
   pd_kv_layer *layers;       /* [num_layers] backing pages.layers */
+  /* the draft model's KV cache (speculative decoding with a draft; num_layers 0: none), and the
+   * staging through the draft's backend where it is not the model's */
+  pd_kv_pages draft_pages;
+  pd_kv_layer *draft_layers;
+  pd_kvstage *draft_kvstage;
+  uint64_t draft_fingerprint;
   pd_kvstage *kvstage;       /* KV staging through the backend; NULL on host-memory backends */
   pd_framepool *kv_frames;   /* prefill: page-locked KV frames of kv_chunk_mb MiB (framepool.h);
                                 NULL on backends without host_alloc or with --kv-pinned-mb 0.
@@ -258,6 +264,13 @@ pd_status pd_node_kv_pack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, 
                           size_t off, void *buf, size_t len, pd_err *e);
 pd_status pd_node_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,
                             size_t off, const void *buf, size_t len, pd_err *e);
+/* The same for the draft model's cache (n->draft_pages). */
+pd_status pd_node_draft_kv_pack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,
+                                size_t off, void *buf, size_t len, pd_err *e);
+pd_status pd_node_draft_kv_unpack(pd_node *n, const pd_kv_slice *s, const int32_t *ids, int nb,
+                                  size_t off, const void *buf, size_t len, pd_err *e);
+/* The geometry of the draft's cache for the wire (draft_pages). */
+void pd_node_draft_geometry(const pd_node *n, Pd__KvGeometry *g);
 /* Decode: the node's page-locked receive buffer, at least len bytes, for a KV message to be
  * copied into (pd_crcpool_copy_crc32v) and unpacked from by one DMA. NULL (use the frames as
  * they are) when len is 0 or over kv_rx_cap, the backend has no host_alloc, or host_alloc

@@ -302,7 +302,8 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
   }
   pd_sched_opts so = {.eos_ids = rt->eos, .n_eos = rt->n_eos,
                       .decode_prefill_tokens = o->decode_prefill_tokens > 0 ? o->decode_prefill_tokens : 0,
-                      .spec = rt->spec.method != PD_SPEC_NONE ? &rt->spec : NULL};
+                      .spec = rt->spec.method != PD_SPEC_NONE ? &rt->spec : NULL,
+                      .draft_prefill = o->draft_prefill};
   rt->sched = pd_sched_create(rt->eng, rt->pool, &so, on_event, user, e);
   if (!rt->sched) goto fail;
   return PD_OK;

@@ -27,6 +27,7 @@ typedef struct sseq {
   int c0;                          /* computed tokens before this step */
   float acc_a, acc_r;              /* decayed counts of accepted and rejected proposals */
   pd_kv_seq *dkv;                  /* the draft model's KV (draft method) */
+  bool dkv_landed; /* reserved: the draft's KV of the context landed in dkv's blocks */
   bool spec_dev; /* greedy verification on the device: rows dev_row .. dev_row + n_draft */
 } sseq;
 
@@ -110,6 +111,7 @@ struct pd_sched {
   bool d_dev;           /* the draft engine samples on the device: greedy proposals there */
   pd_dev_sample_spec *d_specs;
   pd_dev_sample_out *d_outs;
+  bool draft_prefill; /* prompt chunks run through the draft too (pd_sched_opts) */
 };
 
 /* ---- small containers ---- */
@@ -262,6 +264,7 @@ pd_sched *pd_sched_create(pd_engine *eng, pd_kv_pool *pool, const pd_sched_opts 
     pd_sched_free(s);
     return NULL;
   }
+  s->draft_prefill = o && o->draft_prefill && s->spec.method == PD_SPEC_DRAFT;
   return s;
 oom:
   pd_err_set(e, PD_ENOMEM, "out of memory");
@@ -536,17 +539,76 @@ pd_status pd_sched_reserve(pd_sched *s, const pd_sched_req *in, int32_t *block_i
   return PD_OK;
 }
 
-pd_status pd_sched_activate(pd_sched *s, uint64_t id, int32_t next_token, pd_err *e) {
+/* The reserved sequence of request id, or NULL (error set). */
+static sseq *reserved_seq(pd_sched *s, uint64_t id, pd_err *e) {
   int k = find_req(s, id);
-  if (k < 0) return pd_err_set(e, PD_ENOTFOUND, "no reservation %llu", (unsigned long long)id);
+  if (k < 0) {
+    pd_err_set(e, PD_ENOTFOUND, "no reservation %llu", (unsigned long long)id);
+    return NULL;
+  }
   sreq *r = s->reqs[k];
-  sseq *q = r->seqs[0];
-  if (!r->reserved || !q) return pd_err_set(e, PD_EINVAL, "request %llu is not reserved",
-                                            (unsigned long long)id);
+  if (!r->reserved || !r->seqs[0]) {
+    pd_err_set(e, PD_EINVAL, "request %llu is not reserved", (unsigned long long)id);
+    return NULL;
+  }
+  return r->seqs[0];
+}
+
+pd_status pd_sched_reserve_draft(pd_sched *s, uint64_t id, int32_t *block_ids, int cap,
+                                 int *n_blocks, pd_err *e) {
+  if (s->spec.method != PD_SPEC_DRAFT || !s->spec.draft_pool)
+    return pd_err_set(e, PD_EINVAL, "no draft model");
+  sseq *q = reserved_seq(s, id, e);
+  if (!q) return e && e->code ? e->code : PD_ENOTFOUND;
+  if (q->dkv) return pd_err_set(e, PD_EINVAL, "draft blocks are reserved already");
+  pd_kv_pool *dp = s->spec.draft_pool;
+  const int n_ctx = q->req->n_prompt + q->req->n_generated;
+  if (pd_kv_pool_blocks_for_tokens(dp, n_ctx) > cap)
+    return pd_err_set(e, PD_EINVAL, "block id buffer too small");
+  /* (the reservation's own cache salt: no prefix hits, the transfer writes every block) */
+  pd_kv_seq *d = pd_kv_seq_create(dp, pd_kv_seq_tokens(q->kv), n_ctx, q->req->cache_salt, e);
+  if (!d) return e && e->code ? e->code : PD_ENOMEM;
+  int32_t *slots = malloc((size_t)(n_ctx > 0 ? n_ctx : 1) * sizeof *slots);
+  pd_status st = !slots ? pd_err_set(e, PD_ENOMEM, "out of memory")
+                 : pd_kv_seq_blocks_needed(d, n_ctx) > pd_kv_pool_num_available(dp)
+                     ? pd_err_set(e, PD_EFULL, "not enough free draft KV blocks")
+                     : pd_kv_seq_allocate(d, n_ctx, slots, e);
+  free(slots);
+  if (st != PD_OK) {
+    pd_kv_seq_free(d);
+    return st;
+  }
+  q->dkv = d;
+  q->dkv_landed = false;
+  *n_blocks = pd_kv_seq_num_blocks(d);
+  memcpy(block_ids, pd_kv_seq_block_table(d), (size_t)*n_blocks * sizeof *block_ids);
+  return PD_OK;
+}
+
+pd_status pd_sched_draft_landed(pd_sched *s, uint64_t id, pd_err *e) {
+  sseq *q = reserved_seq(s, id, e);
+  if (!q) return e && e->code ? e->code : PD_ENOTFOUND;
+  if (!q->dkv) return pd_err_set(e, PD_EINVAL, "no draft blocks are reserved");
+  q->dkv_landed = true;
+  return PD_OK;
+}
+
+pd_status pd_sched_activate(pd_sched *s, uint64_t id, int32_t next_token, pd_err *e) {
+  sseq *q = reserved_seq(s, id, e);
+  if (!q) return e && e->code ? e->code : PD_ENOTFOUND;
+  sreq *r = q->req;
   if (next_token < 0 || next_token >= s->V)
     return pd_err_set(e, PD_EINVAL, "token %d is outside the vocabulary", next_token);
   int n_ctx = r->n_prompt + r->n_generated;
   pd_status st = pd_kv_seq_commit(q->kv, n_ctx, e);
+  if (st == PD_OK && q->dkv) {
+    if (q->dkv_landed) {
+      st = pd_kv_seq_commit(q->dkv, n_ctx, e);
+    } else { /* no draft KV came: the draft computes the context when it first proposes */
+      pd_kv_seq_free(q->dkv);
+      q->dkv = NULL;
+    }
+  }
   pd_finish_reason fin = PD_FINISH_NONE;
   if (st == PD_OK) st = pd_sampler_accept(q->smp, next_token, &fin, e);
   if (st != PD_OK) return st;
@@ -745,6 +807,11 @@ static void report(pd_sched *s, sseq *q, int32_t tok, const pd_logprobs *lp,
                        .block_table = pd_kv_seq_block_table(q->kv),
                        .n_blocks = pd_kv_seq_num_blocks(q->kv),
                        .n_kv_tokens = pd_kv_seq_num_computed(q->kv)};
+  if (q->dkv) {
+    ev.draft_block_table = pd_kv_seq_block_table(q->dkv);
+    ev.n_draft_blocks = pd_kv_seq_num_blocks(q->dkv);
+    ev.n_draft_kv_tokens = pd_kv_seq_num_computed(q->dkv);
+  }
   if (!r->first_sent && q->index == 0) {
     r->first_sent = true;
     if (r->prompt_lp) {
@@ -1109,6 +1176,77 @@ out:
   return st;
 }
 
+/* draft_prefill: the draft model computes the context tokens the step computes in the model,
+ * up to the same length (from its own prefix-cache hit), the sequences together in forwards of
+ * up to its token budget and without logits. A sequence whose draft finds no blocks gets no
+ * draft KV (its event then has none: nothing of the draft is shipped). */
+static pd_status draft_prefill(pd_sched *s, pd_err *e) {
+  pd_engine *de = s->spec.draft;
+  pd_kv_pool *dp = s->spec.draft_pool;
+  int nc = 0;
+  for (int j = 0; j < s->n_sched; j++) {
+    sseq *q = s->sched[j];
+    const int n_ctx = q->req->n_prompt + q->req->n_generated, upto = q->c0 + q->n_new;
+    if (q->n_draft > 0 || upto > n_ctx) continue; /* it decodes: nothing of its context */
+    if (!q->dkv) {
+      q->dkv = pd_kv_seq_create(dp, pd_kv_seq_tokens(q->kv), n_ctx, q->req->cache_salt, e);
+      if (!q->dkv) return e && e->code ? e->code : PD_ENOMEM;
+    }
+    s->cand[nc] = q;
+    s->plan[nc++] = upto;
+  }
+  pd_status st = PD_OK;
+  while (nc > 0) {
+    int ns = 0, nt = 0, mb = 1, budget = s->d_max_batch_tokens;
+    for (int i = 0; i < nc && budget > 0; i++) {
+      sseq *q = s->cand[i];
+      if (!q->dkv) continue;
+      int need = s->plan[i] - pd_kv_seq_num_computed(q->dkv) - pd_kv_seq_prefix_hit(q->dkv);
+      if (need <= 0) continue;
+      int n = need < budget ? need : budget;
+      st = pd_kv_seq_allocate(q->dkv, n, s->d_slots + nt, e);
+      if (st == PD_EFULL) { /* no draft blocks for it now: it ships no draft KV */
+        pd_kv_seq_free(q->dkv);
+        q->dkv = NULL;
+        st = PD_OK;
+        continue;
+      }
+      if (st != PD_OK) return st;
+      int c = pd_kv_seq_num_computed(q->dkv);
+      memcpy(s->d_tokens + nt, pd_kv_seq_tokens(q->dkv) + c, (size_t)n * sizeof(int32_t));
+      for (int j = 0; j < n; j++) s->d_pos[nt + j] = c + j;
+      s->d_qstart[ns] = nt;
+      s->d_ctx[ns] = c + n;
+      s->d_idx[ns] = i;
+      int nb = pd_kv_seq_num_blocks(q->dkv);
+      if (nb > mb) mb = nb;
+      nt += n;
+      budget -= n;
+      ns++;
+    }
+    if (ns == 0) break;
+    s->d_qstart[ns] = nt;
+    for (int j = 0; j < ns; j++) {
+      const pd_kv_seq *kv = s->cand[s->d_idx[j]]->dkv;
+      int nb = pd_kv_seq_num_blocks(kv);
+      int32_t *bt = s->d_bt + (size_t)j * mb;
+      memcpy(bt, pd_kv_seq_block_table(kv), (size_t)nb * sizeof *bt);
+      for (int b = nb; b < mb; b++) bt[b] = 0;
+    }
+    if ((st = apply_copies(dp, de, e)) != PD_OK) return st;
+    pd_batch b = {.n_tokens = nt, .tokens = s->d_tokens, .positions = s->d_pos,
+                  .slots = s->d_slots, .n_seqs = ns, .q_start = s->d_qstart, .ctx_len = s->d_ctx,
+                  .block_tables = s->d_bt, .max_blocks = mb};
+    if ((st = pd_engine_forward(de, &b, NULL, e)) != PD_OK) return st;
+    s->st.spec_draft_steps++;
+    for (int j = 0; j < ns; j++) {
+      st = pd_kv_seq_commit(s->cand[s->d_idx[j]]->dkv, s->d_qstart[j + 1] - s->d_qstart[j], e);
+      if (st != PD_OK) return st;
+    }
+  }
+  return PD_OK;
+}
+
 /* A probe of speculation where plain decoding has been best: only sequences whose draft KV is
  * nearly current take part (at most 2 windows of tokens behind), and at least an eighth of
  * them (the least behind): catching every sequence's draft up on all it generated while
@@ -1371,6 +1509,13 @@ static pd_status step_begin(pd_sched *s, bool *started, pd_err *e) {
   s->eng_t0 = pd_engine_forward_seconds(s->eng);
   st = pd_engine_submit(s->eng, &s->batch, e);
   if (st != PD_OK) return st;
+  /* the draft's share of the prompts, while the device computes the model's (a GPU draft has a
+   * stream of its own) */
+  if (s->draft_prefill && prompt_tokens > 0 && (st = draft_prefill(s, e)) != PD_OK) {
+    pd_err fe = {0}; /* the model's pass was queued: wait for it before the step is dropped */
+    pd_engine_finish(s->eng, &s->batch, s->logits, &fe);
+    return st;
+  }
   *started = true;
   return PD_OK;
 }

@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
 """Speculative decoding in the cluster (CPU nodes, pycoder-12m with pycoder-draft-2m).
 
-  1. A prefill node and a decode node with the draft model (k 4, fixed): greedy completions,
-     streamed and not, equal `pdctl generate` without speculation; the decode node proposed and
-     accepted tokens (pd_node_spec_*), the router reports the mean acceptance length, and
+  1. A prefill node and a decode node, both with the draft model (k 4, fixed): the prefill node
+     computes the draft's KV of each prompt and ships it with the model's, the decode node
+     speculates from it. Greedy completions, streamed and not, equal `pdctl generate` without
+     speculation; the draft's KV landed for every request (pd_node_draft_kv_transfers_total on
+     both sides); the decode node proposed and accepted tokens (pd_node_spec_*), and exactly as
+     many as when its draft computes the prompts itself (the same cluster with no draft on the
+     prefill node: the CPU forward is row-invariant, so shipped and local draft KV are the same
+     bits and give the same proposals); the router reports the mean acceptance length, and
      `pdctl bench` prints it.
-  2. A prefill node and two decode nodes with n-gram speculation: kill -9 of the decode node
-     serving a stream; the stream migrates and its greedy text equals the uninterrupted one.
+  2. A prefill node and two decode nodes, all with the draft model: kill -9 of the decode node
+     serving a stream; the stream migrates (its prompt and output prefilled again, the draft's
+     KV shipped to the new node) and its greedy text equals the uninterrupted one.
   3. A unified node with the draft model, adaptive: text equal to `pdctl generate`.
   4. `pdctl cluster up --speculative-method ngram --num-speculative-tokens 3` gives the decode
-     node those options (its metrics carry method="ngram"); the prefill node none."""
+     node those options (its metrics carry method="ngram") and the prefill node the method."""
 import json
 import os
 import signal
@@ -49,23 +55,39 @@ def complete(c, prompt, max_tokens, stream):
     return r.json()["choices"][0]["text"]
 
 
-def part_draft(build, chk):
+def draft_cluster_run(build, chk, ship):
+    """Part 1's requests on a cluster whose prefill node has the draft (ship) or not; returns
+    the decode node's proposed and accepted counts after them."""
     spec = ["--speculative-model", DRAFT, "--num-speculative-tokens", "4",
             "--speculative-adaptive", "off"]
-    c = pc.Cluster(build, decode_args=spec)
+    c = pc.Cluster(build, decode_args=spec, prefill_args=spec[:2] if ship else ())
+    what = "shipped draft KV" if ship else "local draft KV"
+    lab = {"method": "draft"}
     try:
         c.up(1, 1)
         for prompt in PROMPTS:
             ref = pc.pdctl_generate(build, prompt, max_tokens=40)["text"]
             for stream in (False, True):
                 chk.eq(complete(c, prompt, 40, stream), ref,
-                       "draft: %s %r == pdctl generate" %
-                       ("stream" if stream else "non-stream", prompt[:16]))
-        lab = {"method": "draft"}
+                       "%s: %s %r == pdctl generate" %
+                       (what, "stream" if stream else "non-stream", prompt[:16]))
+        n = 2 * len(PROMPTS)
+        sent = node_metric(c, "p0", "pd_node_draft_kv_transfers_total", {"direction": "sent"})
+        landed = node_metric(c, "d0", "pd_node_draft_kv_transfers_total", {"outcome": "landed"})
+        missing = node_metric(c, "d0", "pd_node_draft_kv_transfers_total", {"outcome": "missing"})
+        if ship:
+            chk.ok(sent == n and landed == n and missing == 0,
+                   "draft KV shipped and landed for all %d requests (sent %d, landed %d, "
+                   "missing %d)" % (n, sent, landed, missing))
+        else:
+            chk.ok(sent == 0 and landed == 0,
+                   "no draft KV without a draft on the prefill node (%d, %d)" % (sent, landed))
         proposed = node_metric(c, "d0", "pd_node_spec_proposed_tokens_total", lab)
         accepted = node_metric(c, "d0", "pd_node_spec_accepted_tokens_total", lab)
         chk.ok(proposed > 0 and 0 < accepted <= proposed,
-               "decode node: %d proposed, %d accepted" % (proposed, accepted))
+               "%s: %d proposed, %d accepted" % (what, proposed, accepted))
+        if not ship:
+            return proposed, accepted
         chk.ok(node_metric(c, "d0", "pd_node_spec_draft_steps_total", lab) > 0,
                "decode node: draft forwards counted")
         t0 = time.time()
@@ -81,12 +103,21 @@ def part_draft(build, chk):
         chk.ok(b.returncode == 0 and "Mean acceptance length (server):" in b.stdout,
                "pdctl bench prints the server's acceptance length" +
                ("" if b.returncode == 0 else ": " + b.stderr[-300:]))
+        return proposed, accepted
     finally:
-        chk.ok(not c.down(), "no sanitizer report (draft)")
+        chk.ok(not c.down(), "no sanitizer report (%s)" % what)
+
+
+def part_draft(build, chk):
+    local = draft_cluster_run(build, chk, False)
+    shipped = draft_cluster_run(build, chk, True)
+    chk.eq(shipped, local, "proposed and accepted with shipped draft KV == with the draft "
+           "computing the prompts itself")
 
 
 def part_migration(build, chk):
-    c = pc.Cluster(build, decode_args=["--speculative-method", "ngram", "--ngram-min", "1"])
+    spec = ["--speculative-model", DRAFT]
+    c = pc.Cluster(build, decode_args=spec, prefill_args=spec)
     try:
         c.up(1, 2)
         body = {"prompt": LONG, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
@@ -113,8 +144,11 @@ def part_migration(build, chk):
                ("" if text == ref else " (len %d vs %d)" % (len(text or ""), len(ref))))
         chk.ok(metric(c.url, "pd_router_migrations_total") >= 1, "router counted a migration")
         other = "d1" if killed.get("name") == "d0" else "d0"
-        chk.ok(node_metric(c, other, "pd_node_spec_accepted_tokens_total", {"method": "ngram"}) > 0,
-               "the node that took over speculated (n-gram)")
+        chk.ok(node_metric(c, other, "pd_node_draft_kv_transfers_total",
+                           {"outcome": "landed"}) >= 1,
+               "the node that took over received the draft's KV of prompt and output")
+        chk.ok(node_metric(c, other, "pd_node_spec_accepted_tokens_total", {"method": "draft"}) > 0,
+               "the node that took over speculated")
     finally:
         c.down()
 
@@ -156,8 +190,9 @@ def part_pdctl(build, chk):
             chk.ok("--speculative-method" in d and d[d.index("--speculative-method") + 1] == "ngram"
                    and "3" == d[d.index("--num-speculative-tokens") + 1],
                    "the decode node got the speculative options: %s" % d)
-            chk.ok("--speculative-method" not in cmd.get("prefill-0", ["--speculative-method"]),
-                   "the prefill node did not")
+            pf = cmd.get("prefill-0", [])
+            chk.ok("--speculative-method" in pf and "--num-speculative-tokens" not in pf,
+                   "the prefill node got the method only: %s" % pf)
         finally:
             subprocess.run([pdctl, "cluster", "down", "--run-dir", run], capture_output=True,
                            timeout=60)

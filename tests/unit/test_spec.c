@@ -211,6 +211,117 @@ static void compare_greedy(const out *ref, const char *what) {
   }
 }
 
+/* ---- the draft's KV handed over: a prefill node's runtime computes it with the prompts
+ * (draft_prefill), a decode node's receives it in blocks reserved for it ---- */
+
+typedef struct handover {
+  pd_runtime *p, *d;
+  int n_done;
+  bool done[N_GREEDY];
+  int32_t first[N_GREEDY];
+} handover;
+static handover g_ho;
+
+/* Whole blocks src[i] -> dst[i] of every layer, from one engine's cache into another's (host
+ * memory: the CPU backend). */
+static void copy_kv(const pd_engine *src, const pd_engine *dst, const int32_t *sb,
+                    const int32_t *db, int nb) {
+  const int L = pd_engine_config(src)->num_layers;
+  for (int l = 0; l < L; l++) {
+    pd_kv_layer a, b;
+    pd_kv_shape sa, sd;
+    pd_err e = {0};
+    REQUIRE(pd_engine_kv(src, l, &a, &sa, &e) == PD_OK && pd_engine_kv(dst, l, &b, &sd, &e) == PD_OK);
+    const size_t bb = (size_t)sa.num_kv_heads * sa.block_size * sa.head_dim * pd_dtype_size(sa.dtype);
+    for (int i = 0; i < nb; i++) {
+      memcpy((char *)b.k + (size_t)db[i] * bb, (const char *)a.k + (size_t)sb[i] * bb, bb);
+      memcpy((char *)b.v + (size_t)db[i] * bb, (const char *)a.v + (size_t)sb[i] * bb, bb);
+    }
+  }
+}
+
+/* The prefill side's first token: both caches go into the decode side's reserved blocks; even
+ * requests are told the draft's KV landed, odd ones not (their draft computes the context). */
+static void on_prefill_event(void *user, const pd_sched_event *ev) {
+  (void)user;
+  const int i = (int)ev->id;
+  if (ev->token < 0 || i >= N_GREEDY || g_ho.done[i]) return;
+  const int n_ctx = greedy_len(i), bs = 16, nb = (n_ctx + bs - 1) / bs;
+  int32_t tb[64], db[64];
+  int ntb = 0, ndb = 0;
+  pd_err e = {0};
+  /* (reserved here, after the prompt: the request ids are the same on both sides) */
+  pd_sampling_params p = greedy_params(i);
+  p.n = 1;
+  pd_sched_req r = {.id = (uint64_t)i, .prompt = greedy_prompt(i), .n_prompt = n_ctx,
+                    .params = &p};
+  CHECKF(pd_sched_reserve(g_ho.d->sched, &r, tb, 64, &ntb, &e) == PD_OK, "reserve %d: %s", i,
+         e.msg);
+  CHECKF(pd_sched_reserve_draft(g_ho.d->sched, (uint64_t)i, db, 64, &ndb, &e) == PD_OK,
+         "reserve draft %d: %s", i, e.msg);
+  CHECKF(ntb == nb && ndb == nb && ev->n_kv_tokens == n_ctx && ev->draft_block_table &&
+             ev->n_draft_kv_tokens == n_ctx && ev->n_draft_blocks == nb,
+         "request %d: %d and %d blocks reserved, KV of %d and %d tokens computed", i, ntb, ndb,
+         ev->n_kv_tokens, ev->n_draft_kv_tokens);
+  if (ntb != nb || ndb != nb || !ev->draft_block_table) return;
+  copy_kv(g_ho.p->eng, g_ho.d->eng, ev->block_table, tb, nb);
+  copy_kv(g_ho.p->draft_eng, g_ho.d->draft_eng, ev->draft_block_table, db, nb);
+  if (i % 2 == 0) CHECK(pd_sched_draft_landed(g_ho.d->sched, (uint64_t)i, &e) == PD_OK);
+  g_ho.first[i] = ev->token;
+  g_ho.done[i] = true;
+  g_ho.n_done++;
+  pd_sched_abort(g_ho.p->sched, (uint64_t)i);
+}
+
+/* The greedy requests (n 1) through a prefill runtime and a decode runtime, both with the
+ * draft (k 4, fixed); the decode side's outputs in g_out. */
+static void handover_run(pd_sched_stats *st) {
+  pd_runtime p, d;
+  pd_runtime_opts o;
+  pd_runtime_opts_default(&o);
+  o.model_dir = model_path("pycoder-12m");
+  o.max_batch_tokens = 192; /* long prompts take several chunks */
+  o.max_seqs = 64;
+  o.speculative_model = model_path("pycoder-draft-2m");
+  o.speculative_adaptive = "off";
+  o.num_speculative_tokens = 4;
+  pd_err e = {0};
+  o.draft_prefill = true;
+  REQUIRE(pd_runtime_open(&p, &o, on_prefill_event, NULL, &e) == PD_OK);
+  o.draft_prefill = false;
+  REQUIRE(pd_runtime_open(&d, &o, on_event, NULL, &e) == PD_OK);
+  memset(&g_ho, 0, sizeof g_ho);
+  g_ho.p = &p;
+  g_ho.d = &d;
+  memset(g_out, 0, sizeof g_out);
+  for (int i = 0; i < N_GREEDY; i++) {
+    pd_sampling_params sp = greedy_params(i);
+    sp.n = 1;
+    sp.max_tokens = 1;
+    REQUIRE(pd_sched_add(p.sched, (uint64_t)i, greedy_prompt(i), greedy_len(i), &sp, &e) == PD_OK);
+  }
+  run_all(&p);
+  CHECKF(g_ho.n_done == N_GREEDY, "%d of %d prompts handed over", g_ho.n_done, N_GREEDY);
+  memset(g_out, 0, sizeof g_out);
+  for (int i = 0; i < N_GREEDY; i++) {
+    if (!g_ho.done[i]) continue;
+    /* the first token is the prefill side's (as a decode node reports it, not the scheduler) */
+    g_out[i].ids[0][0] = g_ho.first[i];
+    g_out[i].lp[0][0] = NAN;
+    g_out[i].n[0] = 1;
+    CHECKF(pd_sched_activate(d.sched, (uint64_t)i, g_ho.first[i], &e) == PD_OK, "activate %d: %s",
+           i, e.msg);
+  }
+  run_all(&d);
+  pd_sched_get_stats(d.sched, st);
+  check_pool_idle(p.pool, "handover, prefill side");
+  check_pool_idle(p.draft_pool, "handover, prefill side's draft");
+  check_pool_idle(d.pool, "handover, decode side");
+  check_pool_idle(d.draft_pool, "handover, decode side's draft");
+  pd_runtime_close(&d);
+  pd_runtime_close(&p);
+}
+
 /* ---- the sampled workload ---- */
 
 static pd_sampling_params sampled_params(uint64_t seed) {
@@ -435,6 +546,42 @@ int main(int argc, char **argv) {
     check_pool_idle(rt.pool, su->name);
     check_pool_idle(rt.draft_pool, su->name);
     pd_runtime_close(&rt);
+  }
+
+  /* 3b. the draft's KV computed with the prompts on a prefill side and handed over into
+   * reserved draft blocks: the same greedy ids (n 1, no stop tokens), and speculation from
+   * handed-over KV proposes exactly what a draft that computed the context itself does (the CPU
+   * forward is row-invariant: the same KV bits) */
+  if (!g_gpu) {
+    static out ref1[N_GREEDY];
+    const setup su = {"draft, k 4, fixed", "draft", true, 4, 0};
+    open_rt(&rt, &su);
+    memset(g_out, 0, sizeof g_out);
+    pd_err e = {0};
+    for (int i = 0; i < N_GREEDY; i++) {
+      pd_sampling_params sp = greedy_params(i);
+      sp.n = 1;
+      REQUIRE(pd_sched_add(rt.sched, (uint64_t)i, greedy_prompt(i), greedy_len(i), &sp, &e) ==
+              PD_OK);
+    }
+    run_all(&rt);
+    memcpy(ref1, g_out, sizeof ref1);
+    pd_runtime_close(&rt);
+    pd_sched_stats st;
+    handover_run(&st);
+    for (int i = 0; i < N_GREEDY; i++) {
+      CHECKF(g_out[i].n[0] == ref1[i].n[0], "handover: request %d: %d tokens against %d", i,
+             g_out[i].n[0], ref1[i].n[0]);
+      for (int t = 0; t < g_out[i].n[0] && t < ref1[i].n[0]; t++)
+        if (g_out[i].ids[0][t] != ref1[i].ids[0][t]) {
+          CHECKF(0, "handover: request %d token %d: %d against %d", i, t, g_out[i].ids[0][t],
+                 ref1[i].ids[0][t]);
+          break;
+        }
+    }
+    printf("handover: %llu proposed, %llu accepted (draft KV of half the requests handed over)\n",
+           (unsigned long long)st.spec_proposed, (unsigned long long)st.spec_accepted);
+    CHECK(st.spec_accepted > 0);
   }
 
   /* 4. sampling: the distribution of tokens 2 and 3 is the target's (on the CPU, whose

@@ -32,7 +32,7 @@ typedef struct pd_runtime_opts {
                                 max_batch_tokens; -1 (default) = the role's default: 0, but
                                 PD_UNIFIED_DECODE_PREFILL_TOKENS on unified nodes */
   bool no_prefix_cache;
-  bool enforce_eager;   /* GPU: no graph replay of decode steps */
+  bool enforce_eager;   /* GPU: no graph replay of steps */
   bool no_device_sampling; /* GPU: sample on the host (copies every logits row back) */
   bool profile_gpu;        /* GPU: per-op timers, reported to stderr at exit (--profile-gpu) */
   /* speculative decoding */
@@ -41,6 +41,9 @@ typedef struct pd_runtime_opts {
   int num_speculative_tokens;     /* k, the most proposals per step (4) */
   const char *speculative_adaptive; /* "on" (default) or "off": fixed k */
   int ngram_min, ngram_max;       /* n-gram match lengths (2, 4) */
+  /* not a flag: prompts run through the draft model too (pd_sched_opts.draft_prefill; prefill
+   * nodes, which ship the draft's KV with the model's) */
+  bool draft_prefill;
 } pd_runtime_opts;
 
 /* A unified node's default cap on prompt tokens per step while sequences decode: at 1,024-token

@@ -56,6 +56,10 @@ typedef struct pd_sched_opts {
    * measured acceptance and the measured step times (speculation is turned down or off where
    * it would not pay). */
   const pd_spec_config *spec;
+  /* With a draft model (spec method PD_SPEC_DRAFT): every prompt chunk a step computes is
+   * computed in the draft model too, in the same step, so that the draft's KV of the context is
+   * complete when the first token is reported (a prefill node ships it with the model's). */
+  bool draft_prefill;
 } pd_sched_opts;
 
 /* What a step produced for one sequence (sample `index` of request `id`). */
@@ -76,6 +80,10 @@ typedef struct pd_sched_event {
   const int32_t *block_table;
   int n_blocks;
   int n_kv_tokens;
+  /* The same for the draft model's KV (NULL / 0 when the sequence has none). */
+  const int32_t *draft_block_table;
+  int n_draft_blocks;
+  int n_draft_kv_tokens;
 } pd_sched_event;
 
 /* A request in full. pd_sched_add is this with n_generated = 0 and sample_index 0. */
@@ -133,6 +141,17 @@ pd_status pd_sched_reserve(pd_sched *s, const pd_sched_req *r, int32_t *block_id
 /* The KV landed: next_token is the token the prefill side sampled after the context (its
  * event was reported there). The sequence joins the running batch and decodes from it. */
 pd_status pd_sched_activate(pd_sched *s, uint64_t id, int32_t next_token, pd_err *e);
+/* With a draft model: blocks of the draft's pool for the same context of a request reserved
+ * with pd_sched_reserve (not activated yet), which another process fills with the draft's KV.
+ * PD_EFULL (nothing changed) when they are not free now: the draft then computes that context
+ * itself when the sequence first speculates. PD_EINVAL without a draft model, PD_ENOTFOUND
+ * when no such reservation waits. */
+pd_status pd_sched_reserve_draft(pd_sched *s, uint64_t id, int32_t *block_ids, int cap,
+                                 int *n_blocks, pd_err *e);
+/* The draft's KV landed in the blocks of pd_sched_reserve_draft: at activation the draft
+ * continues from it. Without this call activation lets go of those blocks (the draft computes
+ * the context itself when the sequence first speculates). */
+pd_status pd_sched_draft_landed(pd_sched *s, uint64_t id, pd_err *e);
 
 /* Ends a request at any point (waiting, mid-prefill, decoding): its blocks are freed, no more
  * events. PD_ENOTFOUND when no such request is alive. */
