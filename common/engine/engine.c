@@ -27,18 +27,19 @@ typedef struct eng_layer {
   pd_kv_layer kv;
 } eng_layer;
 
-/* A recorded decode step: B sequences (padded), block tables mbw wide. */
+/* A recorded step: B sequences, M rows and L logits rows (padded), block tables mbw wide. */
 typedef struct eng_graph {
-  int B, mbw;
+  int B, M, L, mbw;
   bool all_rows; /* logits of every row, in order (run_model's all_rows) */
-  void *exec; /* NULL: capture failed for this shape; run it eagerly */
+  void *exec; /* NULL: not recorded (seen once so far), or the capture failed (tried) */
+  bool tried;
   /* page-locked staging of the graph's metadata, whose upload is the graph's first node
    * (backends with to_device_async and host_alloc; NULL: uploaded from h_meta before each
    * replay) */
   int32_t *hm;
 } eng_graph;
 
-#define ENG_MAX_GRAPHS 96
+#define ENG_MAX_GRAPHS 192
 #define ENG_GRAPH_PINNED (256 * 1024) /* largest page-locked metadata staging of a graph */
 
 /* Where a run's metadata lies on the backend. */
@@ -203,6 +204,14 @@ static int graph_cap(const pd_engine *g) {
   return g->o.max_seqs < g->o.max_batch_tokens ? g->o.max_seqs : g->o.max_batch_tokens;
 }
 
+/* The most rows a multi-token step's graph has, and the most tokens one of its sequences
+ * brings (longer chunks are prefill, whose steps are long enough to run op by op). */
+#define ENG_GRAPH_MAX_ROWS 1024
+#define ENG_GRAPH_MAX_Q 16
+static int graph_rows_cap(const pd_engine *g) {
+  return g->o.max_batch_tokens < ENG_GRAPH_MAX_ROWS ? g->o.max_batch_tokens : ENG_GRAPH_MAX_ROWS;
+}
+
 const pd_engine_opts *pd_engine_get_opts(const pd_engine *g) { return &g->o; }
 const pd_model_config *pd_engine_config(const pd_engine *g) { return &g->m->cfg; }
 
@@ -347,8 +356,9 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
   g->use_graphs = !g->o.enforce_eager && be->ops.capture_begin && be->ops.capture_end &&
                   be->ops.graph_launch && be->ops.graph_free;
   if (g->use_graphs) { /* a replay's padded batch: at most graph_cap sequences */
-    const size_t B = (size_t)graph_cap(g);
-    ALLOC_I(g->d_gmeta, 6 * B + 1 + B * (size_t)max_blocks);
+    const size_t B = (size_t)graph_cap(g), R = (size_t)graph_rows_cap(g);
+    const size_t M = R > B ? R : B;
+    ALLOC_I(g->d_gmeta, 4 * M + 2 * B + 1 + B * (size_t)max_blocks);
   }
 #undef ALLOC_I
   return g;
@@ -524,7 +534,7 @@ static bool rows_all(const pd_batch *b) {
   return true;
 }
 
-/* Padded batch sizes that decode steps are recorded for. */
+/* Padded batch sizes that graphs are recorded for. */
 static int graph_bucket(const pd_engine *g, int n) {
   static const int sizes[] = {1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128,
                               144, 160, 176, 192, 208, 224, 240, 256, 320, 384, 448, 512};
@@ -534,46 +544,107 @@ static int graph_bucket(const pd_engine *g, int n) {
   return -1;
 }
 
-/* The packed metadata of a replay with B sequences (block tables last, any width), in the order
- * of h_meta: tokens, pos, slots, rows [B each], qstart [B + 1], ctx [B], bt [B, mbw]. */
-static eng_meta packed_meta(int32_t *base, int B) {
+/* Padded row counts of the graphs of multi-token steps (speculative verification, a draft's
+ * catch-up: a few tokens per sequence) and of their logits rows: steps of about 1.25x. */
+static int rows_bucket(int n, int cap) {
+  static const int sizes[] = {1,   2,   3,   4,   5,   6,   8,   10,  12,  16,  20,  24,
+                              28,  32,  40,  48,  56,  64,  80,  96,  112, 128, 160, 192,
+                              224, 256, 320, 384, 448, 512, 640, 768, 896, 1024};
+  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+    if (sizes[i] >= n) return sizes[i] <= cap ? sizes[i] : n <= cap ? cap : -1;
+  return -1;
+}
+
+/* The packed metadata of a replay with B sequences, M rows and L logits rows (block tables last,
+ * any width), in the order of h_meta: tokens, pos, slots [M each], rows [L], qstart [B + 1],
+ * ctx [B], bt [B, mbw]. */
+static eng_meta packed_meta(int32_t *base, int B, int M, int L) {
   eng_meta m;
   m.tokens = base;
-  m.pos = m.tokens + B;
-  m.slots = m.pos + B;
-  m.rows = m.slots + B;
-  m.qstart = m.rows + B;
+  m.pos = m.tokens + M;
+  m.slots = m.pos + M;
+  m.rows = m.slots + M;
+  m.qstart = m.rows + L;
   m.ctx = m.qstart + B + 1;
   m.bt = m.ctx + B;
   return m;
 }
 
-/* A decode step (one new token per sequence) through a recorded graph: the batch is padded to
- * B sequences (token 0 at position 0, no cache write, a context of one token in block 0; their
- * outputs are ignored) and its block tables to mbw columns, so that one recording serves every
- * step of that shape. Returns false when the step cannot use a graph. */
+/* A step through a recorded graph. The batch is padded to a recorded shape, so that one
+ * recording serves every step of that shape:
+ *  - decode steps (one token per sequence) to B sequences: a padding sequence is token 0 at
+ *    position 0, no cache write, a context of one token in block 0;
+ *  - steps of a few tokens per sequence (verification of speculated tokens) to B sequences and
+ *    M rows: the real rows keep their places, the padding sequences share the padding rows (at
+ *    least one each, at positions 0.., no cache writes, keys read from block 0), and the logits
+ *    rows are padded to L (row 0);
+ * and the block tables to mbw columns. Outputs of padding rows are ignored. Returns false when
+ * the step cannot use a graph. */
 static bool forward_graph(pd_engine *g, const pd_batch *b) {
-  const int n = b->n_seqs, B = graph_bucket(g, n);
-  if (B < 0) return false;
+  const int n = b->n_seqs, n_rows = b->n_tokens;
+  const bool all_rows = rows_all(b);
+  int B, M, L;
+  if (n_rows == n) {
+    B = M = L = graph_bucket(g, n);
+    if (B < 0) return false;
+  } else {
+    for (int s = 0; s < n; s++)
+      if (b->q_start[s + 1] - b->q_start[s] > ENG_GRAPH_MAX_Q) return false;
+    const int cap = graph_rows_cap(g);
+    B = graph_bucket(g, n);
+    for (;;) { /* every padding sequence has a row; padding rows need a padding sequence */
+      if (B < 0) return false;
+      M = rows_bucket(n_rows + (B - n), cap);
+      if (M < 0) return false;
+      if (M > n_rows && B == n) {
+        B = graph_bucket(g, n + 1);
+        continue;
+      }
+      break;
+    }
+    L = all_rows ? M : rows_bucket(b->n_logits > 0 ? b->n_logits : 1, M);
+    if (L < 0) return false;
+  }
   int mbw = 8;
   while (mbw < b->max_blocks) mbw *= 2;
-  if (mbw > g->max_blocks) mbw = g->max_blocks;
-  const bool all_rows = rows_all(b);
+  const int pad_seqs = B - n, pad_rows = M - n_rows;
+  const int pad_each = pad_seqs > 0 ? pad_rows / pad_seqs : 0,
+            pad_more = pad_seqs > 0 ? pad_rows % pad_seqs : 0;
+  while (pad_seqs > 0 && mbw * g->o.block_size < pad_each + 1) mbw *= 2;
+  if (mbw > g->max_blocks) {
+    if (pad_seqs > 0 && g->max_blocks * g->o.block_size < pad_each + 1) return false;
+    mbw = g->max_blocks;
+  }
   eng_graph *gr = NULL;
   for (int i = 0; i < g->n_graphs; i++)
-    if (g->graphs[i].B == B && g->graphs[i].mbw == mbw && g->graphs[i].all_rows == all_rows)
+    if (g->graphs[i].B == B && g->graphs[i].M == M && g->graphs[i].L == L &&
+        g->graphs[i].mbw == mbw && g->graphs[i].all_rows == all_rows)
       gr = &g->graphs[i];
-  if (gr && !gr->exec) return false; /* capture failed before: eager */
-  if (!gr && g->n_graphs == ENG_MAX_GRAPHS) return false;
+  if (gr && !gr->exec && gr->tried) return false; /* capture failed before: eager */
+  if (!gr) {
+    /* A shape is recorded the second time it comes: one that comes once (a probe of
+     * speculation, a rare mix) costs no capture. Its first time runs op by op, unpadded. A
+     * full table makes room from shapes seen once. */
+    if (g->n_graphs < ENG_MAX_GRAPHS) {
+      gr = &g->graphs[g->n_graphs++];
+    } else {
+      for (int i = 0; i < g->n_graphs && !gr; i++)
+        if (!g->graphs[i].exec && !g->graphs[i].tried) gr = &g->graphs[i];
+      if (!gr) return false;
+    }
+    *gr = (eng_graph){.B = B, .M = M, .L = L, .mbw = mbw, .all_rows = all_rows};
+    return false;
+  }
 
   pd_backend *be = g->be;
-  const size_t need = (size_t)6 * B + 1 + (size_t)B * mbw;
+  const bool record = !gr->exec; /* its second time: run it, then record it */
+  const size_t need = (size_t)3 * M + L + 2 * (size_t)B + 1 + (size_t)B * mbw;
   /* the staging: the graph's own page-locked buffer (a new shape gets one where the backend
    * can upload from it inside the graph and the metadata is small: at most ENG_GRAPH_PINNED
    * bytes, so that up to ENG_MAX_GRAPHS graphs pin little memory; larger batches' steps are
    * long enough for a copy of their own), else the pageable h_meta */
-  int32_t *hm = gr ? gr->hm : NULL;
-  if (!gr && be->ops.to_device_async && be->ops.host_alloc && be->ops.host_free &&
+  int32_t *hm = gr->hm;
+  if (record && !hm && be->ops.to_device_async && be->ops.host_alloc && be->ops.host_free &&
       need * sizeof(int32_t) <= ENG_GRAPH_PINNED)
     hm = be->ops.host_alloc(be, need * sizeof(int32_t));
   if (!hm && need > g->h_meta_n) {
@@ -583,59 +654,64 @@ static bool forward_graph(pd_engine *g, const pd_batch *b) {
     g->h_meta_n = need;
   }
   int32_t *hbuf = hm ? hm : g->h_meta;
-  const eng_meta h = packed_meta(hbuf, B);
-  for (int i = 0; i < B; i++) {
-    const bool real = i < n;
-    h.tokens[i] = real ? b->tokens[i] : 0;
-    h.pos[i] = real ? b->positions[i] : 0;
-    h.slots[i] = real ? b->slots[i] : -1;
+  const eng_meta h = packed_meta(hbuf, B, M, L);
+  memcpy(h.tokens, b->tokens, (size_t)n_rows * sizeof *h.tokens);
+  memcpy(h.pos, b->positions, (size_t)n_rows * sizeof *h.pos);
+  memcpy(h.slots, b->slots, (size_t)n_rows * sizeof *h.slots);
+  memcpy(h.qstart, b->q_start, (size_t)(n + 1) * sizeof *h.qstart);
+  memcpy(h.ctx, b->ctx_len, (size_t)n * sizeof *h.ctx);
+  for (int i = 0; i < L; i++)
     h.rows[i] = all_rows ? i : i < b->n_logits ? b->logit_rows[i] : 0;
-    h.qstart[i] = i;
-    h.ctx[i] = real ? b->ctx_len[i] : 1;
+  for (int i = 0; i < n; i++) {
     int32_t *r = h.bt + (size_t)i * mbw;
-    if (real) {
-      memcpy(r, b->block_tables + (size_t)i * b->max_blocks, (size_t)b->max_blocks * sizeof *r);
-      for (int j = b->max_blocks; j < mbw; j++) r[j] = 0;
-    } else {
-      memset(r, 0, (size_t)mbw * sizeof *r);
-    }
+    memcpy(r, b->block_tables + (size_t)i * b->max_blocks, (size_t)b->max_blocks * sizeof *r);
+    for (int j = b->max_blocks; j < mbw; j++) r[j] = 0;
   }
-  h.qstart[B] = B;
+  int row = n_rows;
+  for (int i = n; i < B; i++) { /* the padding sequences */
+    const int t = n_rows == n ? 1 : pad_each + (i - n < pad_more);
+    h.qstart[i] = row;
+    h.ctx[i] = t;
+    for (int j = 0; j < t; j++, row++) {
+      h.tokens[row] = 0;
+      h.pos[row] = j;
+      h.slots[row] = -1;
+    }
+    memset(h.bt + (size_t)i * mbw, 0, (size_t)mbw * sizeof *h.bt);
+  }
+  h.qstart[B] = row;
+  PD_ASSERT(row == M);
   /* one upload (H200, Llama-3-8B batch 1: 4.195 -> 4.186 ms a step against one per array):
    * from the host's first copy to the graph's first kernel the GPU waits; from page-locked
    * staging it is the graph's first node, not a call of its own before the launch */
   const size_t bytes = need * sizeof(int32_t);
-  g->dm = packed_meta(g->d_gmeta, B);
+  g->dm = packed_meta(g->d_gmeta, B, M, L);
   if (!hm) be->ops.to_device(be, g->d_gmeta, g->h_meta, bytes);
   const int max_ctx = mbw * g->o.block_size;
-  if (gr) {
+  if (!record) {
     if (be->ops.graph_launch(be, gr->exec)) {
       g->replays++;
     } else {
       /* the launch failed: the error is recorded */
       if (hm) be->ops.to_device_async(be, g->d_gmeta, hm, bytes);
-      run_model(g, B, B, mbw, max_ctx, B, all_rows);
+      run_model(g, M, B, mbw, max_ctx, L, all_rows);
     }
   } else {
-    /* First time for this shape: run it for real (this also sizes every scratch buffer), then
+    /* Its first padded run: run it for real (this also sizes every scratch buffer), then
      * record it for the next steps. */
     if (hm) be->ops.to_device_async(be, g->d_gmeta, hm, bytes);
-    run_model(g, B, B, mbw, max_ctx, B, all_rows);
+    run_model(g, M, B, mbw, max_ctx, L, all_rows);
     be->ops.sync(be);
     if (take_pending(g)) { /* (scratch could not grow: no graph; a later step tries again) */
       if (hm) be->ops.host_free(be, hm);
       g->dm = g->dm_eager;
       return true;
     }
-    gr = &g->graphs[g->n_graphs++];
-    gr->B = B;
-    gr->mbw = mbw;
-    gr->all_rows = all_rows;
-    gr->exec = NULL;
+    gr->tried = true;
     gr->hm = hm;
     if (be->ops.capture_begin(be)) {
       if (hm) be->ops.to_device_async(be, g->d_gmeta, hm, bytes);
-      run_model(g, B, B, mbw, max_ctx, B, all_rows);
+      run_model(g, M, B, mbw, max_ctx, L, all_rows);
       gr->exec = be->ops.capture_end(be);
     }
   }
@@ -649,7 +725,7 @@ pd_status pd_engine_submit(pd_engine *g, const pd_batch *b, pd_err *e) {
   if (st == PD_OK) st = validate_sampling(g, b, e);
   if (st != PD_OK) return st;
   bool done = false;
-  if (g->use_graphs && b->n_tokens == b->n_seqs) done = forward_graph(g, b);
+  if (g->use_graphs) done = forward_graph(g, b);
   if (!done) {
     upload_batch(g, b);
     int max_ctx = 0;

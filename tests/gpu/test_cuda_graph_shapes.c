@@ -5,6 +5,7 @@
  * bf16 tolerance of tests/data/golden/README.md (relative 2e-2, no argmax flip beyond twice the
  * logit error) at every step, and the backend must report no failure.
  *
+ * A shape is recorded the second time it runs and replayed from the third.
  * The schedule is chosen so that a graph recorded early is replayed after later, larger batches
  * have run eagerly for the first time: that is when scratch a graph recorded used to be freed and
  * reallocated under it (the decode node's illegal address under serving load: a replay wrote
@@ -15,6 +16,10 @@
  * Contexts include
  * one, 130, 260, 520 and 1030 tokens, so tables of 8 to 128 blocks are recorded; batch sizes walk
  * every bucket up to the largest batch.
+ *
+ * Then steps of a few tokens a sequence, as speculative verification and a draft's catch-up run
+ * them (1 to 5 tokens each, ragged, padded to a recorded shape of sequences and rows): with the
+ * logits of every row, and of each sequence's last row only.
  *
  * Usage: test_cuda_graph_shapes [MODEL_DIR] [short]: the model (default: pycoder-12m of the test
  * data, $PD_TEST_DATA_DIR if set) and, with `short`, 24 sequences of up to 12 tokens (one of
@@ -133,7 +138,14 @@ int main(int argc, char **argv) {
                                : (int)(sizeof sched_full / sizeof *sched_full);
   const int S = is_short ? 24 : 256;
   const int prompt_span = is_short ? 12 : 48; /* short prompts: 1..prompt_span tokens */
-  const int STEPS = 2; /* decode steps per phase */
+  const int STEPS = 3; /* decode steps per phase (a shape is recorded the second time) */
+  /* multi-token steps: batch sizes, and at most VQ tokens a sequence */
+  static const int vsched_full[] = {1, 2, 4, 7, 16, 33, 64, 100, 200, 3, 64};
+  static const int vsched_short[] = {1, 2, 5, 12, 3};
+  const int *vsched = is_short ? vsched_short : vsched_full;
+  const int n_vsched = is_short ? (int)(sizeof vsched_short / sizeof *vsched_short)
+                                : (int)(sizeof vsched_full / sizeof *vsched_full);
+  enum { VQ = 5, VSTEPS = 4 }; /* a phase's steps keep each sequence's token count */
   static const int long_prompts[] = {130, 260, 520, 1030};
 
   pd_err e = {0};
@@ -143,7 +155,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   const int V = m->cfg.vocab_size;
-  const int max_ctx = 1030 + n_sched * STEPS + 1;
+  const int max_ctx = 1030 + n_sched * STEPS + n_vsched * VSTEPS * VQ + 1;
   REQUIRE(m->cfg.max_position_embeddings >= max_ctx);
   seq *q = calloc((size_t)S, sizeof *q);
   REQUIRE(q);
@@ -153,7 +165,7 @@ int main(int argc, char **argv) {
     q[s].n_prompt =
         s % 61 == 7 && s / 61 < 4 ? long_prompts[s / 61] : 1 + (s * 37) % prompt_span;
     q[s].blocks0 = total_blocks;
-    q[s].n_blocks = (q[s].n_prompt + n_sched * STEPS + BS) / BS;
+    q[s].n_blocks = (q[s].n_prompt + n_sched * STEPS + n_vsched * VSTEPS * VQ + BS) / BS;
     total_blocks += q[s].n_blocks;
     if (q[s].n_blocks > max_blocks) max_blocks = q[s].n_blocks;
   }
@@ -178,8 +190,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "engine: %s\n", e.msg);
     return 1;
   }
-  p.lg = malloc((size_t)S * V * sizeof(float));
-  p.le = malloc((size_t)S * V * sizeof(float));
+  p.lg = malloc((size_t)S * VQ * V * sizeof(float));
+  p.le = malloc((size_t)S * VQ * V * sizeof(float));
   int32_t *tables = malloc((size_t)S * max_blocks * 4);
   REQUIRE(p.lg && p.le && tables);
   /* sequence s owns blocks [blocks0, blocks0 + n_blocks), in a shuffled order */
@@ -195,12 +207,12 @@ int main(int argc, char **argv) {
   }
   free(own);
 
-  int32_t *tok = malloc((size_t)S * 4), *pos = malloc((size_t)S * 4),
-          *slots = malloc((size_t)S * 4);
+  int32_t *tok = malloc((size_t)S * VQ * 4), *pos = malloc((size_t)S * VQ * 4),
+          *slots = malloc((size_t)S * VQ * 4);
   int32_t *qs = malloc((size_t)(S + 1) * 4), *ctx = malloc((size_t)S * 4),
-          *rows = malloc((size_t)S * 4), *bt = malloc((size_t)S * max_blocks * 4);
-  int *which = malloc((size_t)S * sizeof *which);
-  REQUIRE(tok && pos && slots && qs && ctx && rows && bt && which);
+          *rows = malloc((size_t)S * VQ * 4), *bt = malloc((size_t)S * max_blocks * 4);
+  int *which = malloc((size_t)S * sizeof *which), *nqs = malloc((size_t)S * sizeof *nqs);
+  REQUIRE(tok && pos && slots && qs && ctx && rows && bt && which && nqs);
   int bad = 0, phase_first = 0, bad_canaries = 0;
   enum { MAX_CANARIES = 3 * 40 };
   void *canary[MAX_CANARIES];
@@ -271,10 +283,64 @@ int main(int argc, char **argv) {
       }
     }
   }
+  uint64_t replays_decode = 0;
+  pd_engine_graph_stats(p.g, &replays_decode, NULL);
+  const int steps_decode = p.steps;
+  /* steps of 1..VQ tokens a sequence; even phases ask for every row's logits (verification),
+   * odd ones for each sequence's last row (a draft catching up) */
+  for (int ph = 0; ph < n_vsched; ph++) {
+    const int n = vsched[ph] < S ? vsched[ph] : S;
+    const bool every_row = ph % 2 == 0;
+    phase_first = (phase_first + 29) % S;
+    for (int i = 0; i < n; i++) which[i] = (phase_first + i) % S;
+    for (int i = 0; i < n; i++) nqs[i] = 1 + (int)(rnd() % VQ);
+    for (int st = 0; st < VSTEPS; st++) {
+      int mb = 1, M = 0, nl = 0;
+      for (int i = 0; i < n; i++) {
+        seq *x = &q[which[i]];
+        const int32_t *t = tables + (size_t)which[i] * max_blocks;
+        const int nq = nqs[i];
+        qs[i] = M;
+        for (int j = 0; j < nq; j++, M++) {
+          tok[M] = j == 0 ? x->last : (int32_t)(rnd() % (uint32_t)V);
+          pos[M] = x->ctx + j;
+          slots[M] = t[(x->ctx + j) / BS] * BS + (x->ctx + j) % BS;
+          if (every_row || j == nq - 1) rows[nl++] = M;
+        }
+        ctx[i] = x->ctx + nq;
+        int used = (ctx[i] + BS - 1) / BS;
+        if (used > mb) mb = used;
+      }
+      qs[n] = M;
+      for (int i = 0; i < n; i++)
+        memcpy(bt + (size_t)i * mb, tables + (size_t)which[i] * max_blocks, (size_t)mb * 4);
+      pd_batch b = {.n_tokens = M, .tokens = tok, .positions = pos, .slots = slots, .n_seqs = n,
+                    .q_start = qs, .ctx_len = ctx, .block_tables = bt, .max_blocks = mb,
+                    .n_logits = nl, .logit_rows = rows};
+      run(&p, &b);
+      char what[128];
+      snprintf(what, sizeof what, "multi-token phase %d (%d sequences, %d rows, %s) step %d", ph,
+               n, M, every_row ? "every row" : "last rows", st);
+      int nb = compare(&p, nl, what);
+      CHECKF(nb == 0, "%s: %d rows differ", what, nb);
+      bad += nb;
+      p.steps++;
+      for (int i = 0; i < n; i++) {
+        q[which[i]].ctx = ctx[i];
+        const int last = every_row ? qs[i + 1] - 1 : i;
+        q[which[i]].last = argmax(p.lg + (size_t)last * V, V, NULL);
+      }
+    }
+  }
   uint64_t replays = 0;
   int n_graphs = 0;
   pd_engine_graph_stats(p.g, &replays, &n_graphs);
-  printf("%d decode steps over %d sequences (%d rows): %llu replayed from %d graphs; worst "
+  printf("%d multi-token steps: %llu replayed\n", p.steps - steps_decode,
+         (unsigned long long)(replays - replays_decode));
+  CHECKF(replays - replays_decode >= (uint64_t)(p.steps - steps_decode) / 4,
+         "multi-token steps were not replayed: %llu of %d",
+         (unsigned long long)(replays - replays_decode), p.steps - steps_decode);
+  printf("%d steps over %d sequences (%d rows): %llu replayed from %d graphs; worst "
          "graph-vs-eager logit difference %.2e; %d rows out of tolerance; %d canaries "
          "overwritten\n",
          p.steps, S, p.rows, (unsigned long long)replays, n_graphs, p.worst, bad, bad_canaries);
@@ -302,6 +368,7 @@ int main(int argc, char **argv) {
   free(rows);
   free(bt);
   free(which);
+  free(nqs);
   if (pd_test_failures) {
     printf("test_cuda_graph_shapes: %d checks failed\n", pd_test_failures);
     return 1;

@@ -27,7 +27,7 @@ typedef struct pd_engine_opts {
   int max_seqs;         /* most sequences in one forward (default 256) */
   int max_model_len;    /* longest context (default: the model's max_position_embeddings) */
   pd_dtype kv_dtype;    /* F32 (default) */
-  bool enforce_eager;   /* never replay decode steps as graphs (backends with graphs) */
+  bool enforce_eager;   /* never replay steps as graphs (backends with graphs) */
   bool no_device_sampling; /* pd_engine_can_sample reports false */
 } pd_engine_opts;
 
@@ -77,7 +77,8 @@ typedef struct pd_batch {
  * options allow it). */
 bool pd_engine_can_sample(const pd_engine *eng);
 
-/* Graph replays so far and the graphs held (backends with graphs; decode steps only). */
+/* Graph replays so far and the graphs held (backends with graphs: decode steps, and steps of
+ * at most 16 tokens a sequence such as speculative verification). */
 void pd_engine_graph_stats(const pd_engine *eng, uint64_t *replays, int *n_graphs);
 
 /* Wall-clock seconds spent inside pd_engine_forward so far (uploads, the model, sampling,
