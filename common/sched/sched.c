@@ -1281,8 +1281,18 @@ static pd_status propose(pd_sched *s, pd_err *e) {
     sseq *q = s->running.v[i];
     q->n_draft = 0;
     q->dq_off = -1;
+    if (want(q) == 1 && !q->req->aborted) n_decode++;
+  }
+  s->step_decoding = n_decode;
+  s->policy_step = !s->spec.fixed && n_decode > 0;
+  /* k first: where the policy keeps speculation off nothing is looked up (an n-gram lookup
+   * over a long context is microseconds a sequence, a real share of a small model's GPU step) */
+  int k = s->spec.fixed ? s->spec.num_tokens
+                        : n_decode > 0 ? pd_spec_policy_choose(&s->policy, n_decode) : 0;
+  if (k <= 0) return PD_OK;
+  for (int i = 0; i < s->running.n; i++) {
+    sseq *q = s->running.v[i];
     if (want(q) != 1 || q->req->aborted) continue;
-    n_decode++;
     int n = pd_kv_seq_num_tokens(q->kv);
     int cap = s->spec.num_tokens;
     int room = s->max_model_len - 1 - n; /* positions stay inside the context */
@@ -1298,11 +1308,7 @@ static pd_status propose(pd_sched *s, pd_err *e) {
     s->cand[nc] = q;
     s->plan[nc++] = cap;
   }
-  s->step_decoding = n_decode;
-  s->policy_step = !s->spec.fixed && n_decode > 0;
-  int k = s->spec.fixed ? s->spec.num_tokens
-                        : n_decode > 0 ? pd_spec_policy_choose(&s->policy, n_decode) : 0;
-  if (nc == 0 || k <= 0) return PD_OK;
+  if (nc == 0) return PD_OK;
   for (int i = 0; i < nc; i++) {
     int cap = s->spec.fixed ? k : seq_cap(s, s->cand[i], k);
     if (s->plan[i] > cap) s->plan[i] = cap;
