@@ -75,7 +75,7 @@ static void cmp_qkv_attention(pd_backend *be, const pd_qkv_attn *p) {
   const int qd = p->n_q_heads * hd, kd = sh->num_kv_heads * hd;
   PD_ASSERT(in->form == 0 && K == p->w.K && p->w.N == qd + 2 * kd);
   PD_ASSERT(p->batch->n_tokens == M);
-  const size_t row = (size_t)K * pd_dtype_size(p->w.dtype);
+  const size_t row = pd_dtype_row_bytes(p->w.dtype, K);
   const char *w = p->w.data;
   const float *x = in->data;
   float *k = p->qkv, *v = p->qkv + (size_t)M * kd;

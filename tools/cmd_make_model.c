@@ -104,7 +104,20 @@ static const mm_preset mm_presets[] = {
 
 /* ---- the model being made ------------------------------------------------------------------ */
 
-typedef enum mm_init { MM_INIT_NORMAL, MM_INIT_ONES } mm_init;
+/* NORMAL: std * N(0, 1); ONES: 1; BITS: uniform random 32-bit words (4-bit values); WORD: the
+ * 32-bit word `word` everywhere (packed zero points); CONST: the value std (scales); GIDX: element
+ * i holds i / word (GPTQ's g_idx without act-order). */
+typedef enum mm_init {
+  MM_INIT_NORMAL,
+  MM_INIT_ONES,
+  MM_INIT_BITS,
+  MM_INIT_WORD,
+  MM_INIT_CONST,
+  MM_INIT_GIDX
+} mm_init;
+
+/* --quantization: the published 4-bit layouts (docs/quantization.md) */
+typedef enum mm_quant { MM_Q_NONE, MM_Q_AWQ, MM_Q_GPTQ } mm_quant;
 
 typedef struct mm_tensor {
   char name[96];
@@ -113,6 +126,8 @@ typedef struct mm_tensor {
   uint64_t numel, nbytes;
   mm_init init;
   float std;
+  pd_dtype dt;   /* its dtype: the model's, or I32 / F16 for quantized tensors */
+  uint32_t word; /* MM_INIT_WORD's word, MM_INIT_GIDX's group size */
   uint64_t name_hash; /* part of every block's seed */
   int shard;
 } mm_tensor;
@@ -122,6 +137,8 @@ typedef struct mm_model {
   int hidden, ffn, layers, heads, kv_heads, head_dim, vocab;
   bool head_dim_explicit;
   pd_dtype dtype;
+  mm_quant quant;
+  int group; /* quantization group size */
   uint64_t seed;
   mm_tensor *t;
   size_t n_t;
@@ -155,6 +172,7 @@ static int mm_push(mm_model *m, mm_init init, float std, int64_t rows, int64_t c
   t->shape[0] = rows;
   t->shape[1] = cols;
   t->numel = (uint64_t)rows * (uint64_t)(cols ? cols : 1);
+  t->dt = m->dtype;
   t->nbytes = t->numel * pd_dtype_size(m->dtype);
   t->init = init;
   t->std = std;
@@ -164,6 +182,49 @@ static int mm_push(mm_model *m, mm_init init, float std, int64_t rows, int64_t c
   return 0;
 }
 
+/* The last tensor pushed, made a quantized one of dtype dt. */
+static void mm_retype(mm_model *m, pd_dtype dt, mm_init init, float v, uint32_t word) {
+  mm_tensor *t = &m->t[m->n_t - 1];
+  m->data_bytes -= t->nbytes;
+  m->params -= t->numel; /* (the layer's parameters are counted by mm_linear) */
+  t->dt = dt;
+  t->init = init;
+  t->std = v;
+  t->word = word;
+  t->nbytes = t->numel * pd_dtype_size(dt);
+  m->data_bytes += t->nbytes;
+}
+
+/* A linear layer name ([out, in], normal with std sd): its `.weight`, or the 4-bit tensors of
+ * the model's quantization with values uniform in 0..15 around the zero point 8 and scales
+ * making the weights' standard deviation about sd (that of q - 8 is about 4.61). */
+static void mm_linear(mm_model *m, float sd, int64_t out, int64_t in, const char *name) {
+  if (m->quant == MM_Q_NONE) {
+    mm_push(m, MM_INIT_NORMAL, sd, out, in, "%s.weight", name);
+    return;
+  }
+  const int64_t g = m->group, ng = in / g;
+  const float scale = pd_f16_to_f32(pd_f32_to_f16(sd / 4.61f));
+  if (m->quant == MM_Q_AWQ) {
+    mm_push(m, MM_INIT_NORMAL, 0, in, out / 8, "%s.qweight", name);
+    mm_retype(m, PD_DTYPE_I32, MM_INIT_BITS, 0, 0);
+    mm_push(m, MM_INIT_NORMAL, 0, ng, out / 8, "%s.qzeros", name);
+    mm_retype(m, PD_DTYPE_I32, MM_INIT_WORD, 0, 0x88888888u);
+    mm_push(m, MM_INIT_NORMAL, 0, ng, out, "%s.scales", name);
+    mm_retype(m, PD_DTYPE_F16, MM_INIT_CONST, scale, 0);
+  } else { /* GPTQ, checkpoint_format gptq: zeros stored as z - 1 */
+    mm_push(m, MM_INIT_NORMAL, 0, in, 0, "%s.g_idx", name);
+    mm_retype(m, PD_DTYPE_I32, MM_INIT_GIDX, 0, (uint32_t)g);
+    mm_push(m, MM_INIT_NORMAL, 0, in / 8, out, "%s.qweight", name);
+    mm_retype(m, PD_DTYPE_I32, MM_INIT_BITS, 0, 0);
+    mm_push(m, MM_INIT_NORMAL, 0, ng, out / 8, "%s.qzeros", name);
+    mm_retype(m, PD_DTYPE_I32, MM_INIT_WORD, 0, 0x77777777u);
+    mm_push(m, MM_INIT_NORMAL, 0, ng, out, "%s.scales", name);
+    mm_retype(m, PD_DTYPE_F16, MM_INIT_CONST, scale, 0);
+  }
+  m->params += (uint64_t)out * (uint64_t)in; /* (the packed tensors counted elements above) */
+}
+
 /* Lists the tensors in the order of transformers' state dict (embeddings, layer by layer,
  * final norm, lm_head) and assigns shards the way save_pretrained does: a new shard starts
  * when the next tensor would push the current one past max_shard bytes. */
@@ -171,7 +232,7 @@ static int mm_plan(mm_model *m, uint64_t max_shard) {
   const int64_t D = m->hidden, F = m->ffn, V = m->vocab;
   const int64_t Q = (int64_t)m->heads * m->head_dim, KV = (int64_t)m->kv_heads * m->head_dim;
   const bool bias = m->p->family == MM_QWEN2;
-  size_t cap = 3 + (size_t)m->layers * 12;
+  size_t cap = 3 + (size_t)m->layers * 40;
   m->t = calloc(cap, sizeof *m->t);
   if (!m->t) return -1;
   m->n_t = 0;
@@ -179,16 +240,23 @@ static int mm_plan(mm_model *m, uint64_t max_shard) {
   mm_push(m, MM_INIT_NORMAL, 0.02f, V, D, "model.embed_tokens.weight");
   for (int l = 0; l < m->layers; l++) {
     const char *pre = "model.layers";
-    mm_push(m, MM_INIT_NORMAL, mm_sigma(D), Q, D, "%s.%d.self_attn.q_proj.weight", pre, l);
+    char n[96];
+#define LIN(sd, out, in, fmt)                       \
+    do {                                            \
+      snprintf(n, sizeof n, fmt, pre, l);           \
+      mm_linear(m, sd, out, in, n);                 \
+    } while (0)
+    LIN(mm_sigma(D), Q, D, "%s.%d.self_attn.q_proj");
     if (bias) mm_push(m, MM_INIT_NORMAL, 0.02f, Q, 0, "%s.%d.self_attn.q_proj.bias", pre, l);
-    mm_push(m, MM_INIT_NORMAL, mm_sigma(D), KV, D, "%s.%d.self_attn.k_proj.weight", pre, l);
+    LIN(mm_sigma(D), KV, D, "%s.%d.self_attn.k_proj");
     if (bias) mm_push(m, MM_INIT_NORMAL, 0.02f, KV, 0, "%s.%d.self_attn.k_proj.bias", pre, l);
-    mm_push(m, MM_INIT_NORMAL, mm_sigma(D), KV, D, "%s.%d.self_attn.v_proj.weight", pre, l);
+    LIN(mm_sigma(D), KV, D, "%s.%d.self_attn.v_proj");
     if (bias) mm_push(m, MM_INIT_NORMAL, 0.02f, KV, 0, "%s.%d.self_attn.v_proj.bias", pre, l);
-    mm_push(m, MM_INIT_NORMAL, mm_sigma(Q), D, Q, "%s.%d.self_attn.o_proj.weight", pre, l);
-    mm_push(m, MM_INIT_NORMAL, mm_sigma(D), F, D, "%s.%d.mlp.gate_proj.weight", pre, l);
-    mm_push(m, MM_INIT_NORMAL, mm_sigma(D), F, D, "%s.%d.mlp.up_proj.weight", pre, l);
-    mm_push(m, MM_INIT_NORMAL, mm_sigma(F), D, F, "%s.%d.mlp.down_proj.weight", pre, l);
+    LIN(mm_sigma(Q), D, Q, "%s.%d.self_attn.o_proj");
+    LIN(mm_sigma(D), F, D, "%s.%d.mlp.gate_proj");
+    LIN(mm_sigma(D), F, D, "%s.%d.mlp.up_proj");
+    LIN(mm_sigma(F), D, F, "%s.%d.mlp.down_proj");
+#undef LIN
     mm_push(m, MM_INIT_ONES, 0, D, 0, "%s.%d.input_layernorm.weight", pre, l);
     mm_push(m, MM_INIT_ONES, 0, D, 0, "%s.%d.post_attention_layernorm.weight", pre, l);
   }
@@ -307,6 +375,22 @@ static void mm_fill(const mm_tensor *t, pd_dtype dt, uint64_t seed, uint64_t e0,
   mm_rng r;
   mm_seed(&r, seed, t->name_hash, e0 / MM_BLOCK); /* cheap; unused for MM_INIT_ONES */
   const float sd = t->std;
+  switch (t->init) { /* the quantized tensors' kinds */
+    case MM_INIT_BITS:
+      for (uint64_t i = 0; i < n; i++) ((uint32_t *)dst)[i] = (uint32_t)(mm_next(&r) >> 32);
+      return;
+    case MM_INIT_WORD:
+      for (uint64_t i = 0; i < n; i++) ((uint32_t *)dst)[i] = t->word;
+      return;
+    case MM_INIT_GIDX:
+      for (uint64_t i = 0; i < n; i++) ((int32_t *)dst)[i] = (int32_t)((e0 + i) / t->word);
+      return;
+    case MM_INIT_CONST:
+      for (uint64_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = pd_f32_to_f16(sd);
+      return;
+    default:
+      break;
+  }
   switch (dt) {
     case PD_DTYPE_BF16: {
       uint16_t *o = dst;
@@ -369,12 +453,12 @@ static void *mm_worker(void *arg) {
     seen = p->gen;
     const mm_job j = p->job;
     pthread_mutex_unlock(&p->mu);
-    const uint64_t nb = (j.n + MM_BLOCK - 1) / MM_BLOCK, es = pd_dtype_size(j.dtype);
+    const uint64_t nb = (j.n + MM_BLOCK - 1) / MM_BLOCK, es = pd_dtype_size(j.t->dt);
     for (;;) {
       uint64_t b = atomic_fetch_add(&p->next_block, 1);
       if (b >= nb) break;
       uint64_t off = b * MM_BLOCK, cnt = j.n - off < MM_BLOCK ? j.n - off : MM_BLOCK;
-      mm_fill(j.t, j.dtype, j.seed, j.e0 + off, cnt, j.dst + off * es);
+      mm_fill(j.t, j.t->dt, j.seed, j.e0 + off, cnt, j.dst + off * es);
     }
     pthread_mutex_lock(&p->mu);
     if (--p->active == 0) pthread_cond_signal(&p->cv_done);
@@ -438,9 +522,8 @@ static pd_status mm_write_shard(const mm_model *m, int s, const char *path, mm_p
   pd_status st = pd_stw_set_metadata(w, "format", "pt", e); /* transformers requires it */
   for (size_t i = 0; i < m->n_t && !st; i++)
     if (m->t[i].shard == s)
-      st = pd_stw_add(w, m->t[i].name, m->dtype, m->t[i].ndim, m->t[i].shape, e);
+      st = pd_stw_add(w, m->t[i].name, m->t[i].dt, m->t[i].ndim, m->t[i].shape, e);
   if (!st) st = pd_stw_begin(w, path, e);
-  const size_t es = pd_dtype_size(m->dtype);
   mm_piece pending = {0};
   int cur = 0;
   for (size_t i = 0; i < m->n_t && !st; i++) {
@@ -450,13 +533,15 @@ static pd_status mm_write_shard(const mm_model *m, int s, const char *path, mm_p
       mm_piece pc = {&m->t[i], e0, left < chunk_elems ? left : chunk_elems};
       mm_job j = {pc.t, m->dtype, m->seed, pc.e0, pc.n, buf[cur]};
       mm_pool_submit(pool, &j); /* generate this piece ... */
-      if (pending.t) st = pd_stw_write(w, buf[cur ^ 1], pending.n * es, e); /* ... write the last */
+      if (pending.t) /* ... write the last */
+        st = pd_stw_write(w, buf[cur ^ 1], pending.n * pd_dtype_size(pending.t->dt), e);
       mm_pool_wait(pool);
       pending = pc;
       cur ^= 1;
     }
   }
-  if (!st && pending.t) st = pd_stw_write(w, buf[cur ^ 1], pending.n * es, e);
+  if (!st && pending.t)
+    st = pd_stw_write(w, buf[cur ^ 1], pending.n * pd_dtype_size(pending.t->dt), e);
   if (!st) st = pd_stw_finish(w, sync, e);
   pd_stw_free(w);
   return st;
@@ -977,6 +1062,22 @@ static cJSON *mm_config_json(const mm_model *m, int bos, const int *eos, int n_e
   cJSON_AddStringToObject(c, "torch_dtype", mm_torch_dtype(m->dtype));
   cJSON_AddBoolToObject(c, "use_cache", true);
   cJSON_AddNumberToObject(c, "vocab_size", m->vocab);
+  if (m->quant != MM_Q_NONE) { /* as AutoAWQ and GPTQModel write it */
+    cJSON *q = cJSON_AddObjectToObject(c, "quantization_config");
+    cJSON_AddNumberToObject(q, "bits", 4);
+    cJSON_AddNumberToObject(q, "group_size", m->group);
+    if (m->quant == MM_Q_AWQ) {
+      cJSON_AddNullToObject(q, "modules_to_not_convert");
+      cJSON_AddStringToObject(q, "quant_method", "awq");
+      cJSON_AddStringToObject(q, "version", "gemm");
+      cJSON_AddBoolToObject(q, "zero_point", true);
+    } else {
+      cJSON_AddStringToObject(q, "checkpoint_format", "gptq");
+      cJSON_AddBoolToObject(q, "desc_act", false);
+      cJSON_AddStringToObject(q, "quant_method", "gptq");
+      cJSON_AddBoolToObject(q, "sym", true);
+    }
+  }
   switch (p->family) {
     case MM_LLAMA:
       cJSON_AddBoolToObject(c, "attention_bias", false);
@@ -1115,6 +1216,8 @@ static const char *mm_human(double bytes, char *buf, size_t n) {
 }
 
 int cmd_make_model(int argc, char **argv) {
+  const char *quant_s = NULL;
+  int group = 128;
   const char *like = NULL, *out = NULL, *dtype_s = "bf16", *shard_s = "5GB", *tok_s = "auto",
              *data_dir = NULL;
   /* INT_MIN: not given (the option parser never produces it) */
@@ -1134,6 +1237,10 @@ int cmd_make_model(int argc, char **argv) {
       {"kv-heads", PD_OPT_INT, &kv_heads, "N", "num_key_value_heads", NULL},
       {"head-dim", PD_OPT_INT, &head_dim, "N", "head_dim (default hidden / heads)", NULL},
       {"dtype", PD_OPT_STR, &dtype_s, "T", "bf16 (default), f16 or f32", NULL},
+      {"quantization", PD_OPT_STR, &quant_s, "M",
+       "4-bit linear layers in a published layout: awq (AutoAWQ gemm) or gptq; embeddings, "
+       "norms and lm_head stay in --dtype", NULL},
+      {"group-size", PD_OPT_INT, &group, "G", "quantization group size (128)", NULL},
       {"seed", PD_OPT_U64, &seed, "S", "random seed (default 0)", NULL},
       {"threads", PD_OPT_INT, &threads, "N", "generator threads (default: all cores)", NULL},
       {"max-shard-size", PD_OPT_STR, &shard_s, "SIZE", "largest shard, e.g. 5GB (default), 500MB",
@@ -1204,6 +1311,18 @@ int cmd_make_model(int argc, char **argv) {
   else if (!strcmp(dtype_s, "f16") || !strcmp(dtype_s, "float16")) m.dtype = PD_DTYPE_F16;
   else if (!strcmp(dtype_s, "f32") || !strcmp(dtype_s, "float32")) m.dtype = PD_DTYPE_F32;
   else return mm_fail("--dtype '%s' is not one of bf16, f16, f32", dtype_s);
+  if (quant_s) {
+    if (!strcmp(quant_s, "awq")) m.quant = MM_Q_AWQ;
+    else if (!strcmp(quant_s, "gptq")) m.quant = MM_Q_GPTQ;
+    else return mm_fail("--quantization '%s' is not one of awq, gptq", quant_s);
+    if (group < 32 || group % 32 || m.hidden % group || m.ffn % group ||
+        ((int64_t)m.heads * m.head_dim) % group)
+      return mm_fail("--group-size %d: a multiple of 32 dividing hidden %d, ffn %d and the "
+                     "attention width %d", group, m.hidden, m.ffn, m.heads * m.head_dim);
+    if (m.hidden % 8 || m.ffn % 8 || (m.kv_heads * m.head_dim) % 8)
+      return mm_fail("--quantization: every linear layer needs a multiple of 8 outputs");
+    m.group = group;
+  }
   m.seed = seed;
   uint64_t max_shard = 0;
   if (mm_parse_size(shard_s, &max_shard) != 0)
@@ -1333,7 +1452,7 @@ int cmd_make_model(int argc, char **argv) {
   /* Weights. */
   {
     pthread_once(&zig_once, zig_init);
-    const size_t es = pd_dtype_size(m.dtype);
+    const size_t es = m.quant != MM_Q_NONE ? 4 : pd_dtype_size(m.dtype); /* the widest element */
     uint64_t chunk_elems = MM_CHUNK_BYTES / es / MM_BLOCK * MM_BLOCK;
     uint64_t biggest = 0;
     for (size_t i = 0; i < m.n_t; i++)

@@ -106,6 +106,7 @@ static void usage(void) {
         "  generate     generate text from a model on this machine\n"
         "  tokenize     encode text to token ids, or decode ids to text\n"
         "  bench-model  measure prefill and decode tokens/s of a model on this machine\n"
+        "  perplexity   token-level perplexity of a model on a text or token ids\n"
         "  cluster      start, inspect and stop a local cluster (router + prefill + decode)\n"
         "  client       send a request to a router's ZeroMQ client API, print the answer\n"
         "  bench        serving benchmark against a running router (TTFT, TPOT, ITL)\n"
@@ -126,6 +127,7 @@ int main(int argc, char **argv) {
   if (!strcmp(cmd, "generate")) return cmd_generate(argc, argv);
   if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc, argv);
   if (!strcmp(cmd, "bench-model")) return cmd_bench_model(argc, argv);
+  if (!strcmp(cmd, "perplexity")) return cmd_perplexity(argc, argv);
   if (!strcmp(cmd, "make-model")) return cmd_make_model(argc, argv);
   if (!strcmp(cmd, "devices")) return cmd_devices(argc, argv);
 #ifdef PD_HAVE_NET

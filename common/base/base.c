@@ -125,15 +125,21 @@ static const struct {
     [PD_DTYPE_I16] = {"I16", 2},     [PD_DTYPE_I32] = {"I32", 4},
     [PD_DTYPE_I64] = {"I64", 8},     [PD_DTYPE_BOOL] = {"BOOL", 1},
     [PD_DTYPE_F8_E4M3] = {"F8_E4M3", 1}, [PD_DTYPE_F8_E5M2] = {"F8_E5M2", 1},
+    [PD_DTYPE_Q4] = {"Q4", 0},
 };
 
 size_t pd_dtype_size(pd_dtype t) { return (t >= 0 && t < PD_DTYPE_COUNT) ? dtype_info[t].size : 0; }
 const char *pd_dtype_name(pd_dtype t) {
   return (t >= 0 && t < PD_DTYPE_COUNT) ? dtype_info[t].name : "?";
 }
+size_t pd_dtype_row_bytes(pd_dtype t, int64_t cols) {
+  if (t == PD_DTYPE_Q4) return (size_t)cols / 2 + (size_t)cols / 8;
+  return (size_t)cols * pd_dtype_size(t);
+}
+
 int pd_dtype_from_name(const char *s) {
   for (int i = 0; i < PD_DTYPE_COUNT; i++)
-    if (strcmp(s, dtype_info[i].name) == 0) return i;
+    if (i != PD_DTYPE_Q4 && strcmp(s, dtype_info[i].name) == 0) return i;
   return -1;
 }
 

@@ -155,14 +155,15 @@ static float *upload_f32(pd_engine *g, const pd_weight *w, pd_err *e) {
  * With several parts, returns their row-concatenation (all share dtype and cols). */
 static const void *place_weights(pd_engine *g, const pd_weight *const *parts, int n, pd_err *e) {
   if (n == 1 && g->be->host_memory) return parts[0]->data;
-  size_t es = pd_dtype_size(parts[0]->dtype), total = 0;
-  for (int i = 0; i < n; i++) total += (size_t)parts[i]->rows * (size_t)parts[i]->cols * es;
+  const pd_dtype dt = parts[0]->dtype;
+  size_t total = 0;
+  for (int i = 0; i < n; i++) total += (size_t)parts[i]->rows * pd_dtype_row_bytes(dt, parts[i]->cols);
   char *d = eng_alloc(g, total, e);
   if (!d) return NULL;
   if (g->be->host_memory) { /* concatenation in host memory */
     size_t off = 0;
     for (int i = 0; i < n; i++) {
-      size_t nb = (size_t)parts[i]->rows * (size_t)parts[i]->cols * es;
+      size_t nb = (size_t)parts[i]->rows * pd_dtype_row_bytes(dt, parts[i]->cols);
       memcpy(d + off, parts[i]->data, nb);
       off += nb;
     }
@@ -170,7 +171,7 @@ static const void *place_weights(pd_engine *g, const pd_weight *const *parts, in
   }
   size_t off = 0;
   for (int i = 0; i < n; i++) {
-    size_t nb = (size_t)parts[i]->rows * (size_t)parts[i]->cols * es;
+    size_t nb = (size_t)parts[i]->rows * pd_dtype_row_bytes(dt, parts[i]->cols);
     g->be->ops.to_device(g->be, d + off, parts[i]->data, nb);
     off += nb;
   }
@@ -263,6 +264,12 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
   g->kvs = (pd_kv_shape){g->o.num_blocks, g->o.block_size, g->nkv, g->hd, g->o.kv_dtype};
 
   /* weights */
+  if (c->quant.method != PD_QUANT_NONE && strcmp(be->ops.name, "cpu") != 0) {
+    pd_err_set(e, PD_EUNSUPPORTED,
+               "4-bit quantized weights run on the CPU backend only (the %s backend has no "
+               "4-bit kernels yet)", be->ops.name);
+    goto fail;
+  }
   g->tok_emb = place_weight(g, &m->tok_embeddings, NULL, e);
   g->lm_head = place_weight(g, &m->lm_head, NULL, e);
   g->lm_head_w = (pd_wdesc){m->lm_head.dtype, g->lm_head, g->V, g->D};

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -318,19 +319,138 @@ static pd_status cfg_sliding(const cJSON *root, pd_model_config *c, pd_err *e) {
   return PD_OK;
 }
 
+/* obj[key] as a string, or NULL. */
+static const char *cfg_str(const cJSON *obj, const char *key) {
+  const cJSON *v = cfg_get(obj, key);
+  return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+/* The group size of a quantization: -1 (or 0) is one group per row; otherwise a multiple of the
+ * 32-element blocks the kernels dequantize. */
+static pd_status cfg_quant_group(const cJSON *v, const char *field, int *out, pd_err *e) {
+  int g = 0;
+  if (!v) return pd_err_set(e, PD_EFORMAT, "config: %s is missing", field);
+  TRY(cfg_as_int(v, field, -1, 1 << 20, &g, e));
+  if (g <= 0) g = 0;
+  if (g && g % PD_Q4_BLOCK)
+    return pd_err_set(e, PD_EUNSUPPORTED,
+                      "config: %s %d is not supported (a multiple of %d, or -1)", field, g,
+                      PD_Q4_BLOCK);
+  *out = g;
+  return PD_OK;
+}
+
+static pd_status cfg_bits4(const cJSON *v, const char *field, pd_err *e) {
+  int b = 0;
+  if (!v) return pd_err_set(e, PD_EFORMAT, "config: %s is missing", field);
+  TRY(cfg_as_int(v, field, 1, 64, &b, e));
+  if (b != 4)
+    return pd_err_set(e, PD_EUNSUPPORTED, "config: %s %d is not supported (4-bit weights only)",
+                      field, b);
+  return PD_OK;
+}
+
+/* quantization_config: AWQ (gemm), GPTQ and compressed-tensors pack-quantized, 4-bit. Anything
+ * else is refused naming what it is. */
+static pd_status cfg_quant(const cJSON *q, pd_quant_config *out, pd_err *e) {
+  memset(out, 0, sizeof *out);
+  if (!cJSON_IsObject(q)) return pd_err_set(e, PD_EFORMAT, "config: quantization_config is not an object");
+  const char *m = cfg_str(q, "quant_method");
+  if (!m) return pd_err_set(e, PD_EFORMAT, "config: quantization_config.quant_method is missing");
+  out->bits = 4;
+  if (!strcmp(m, "awq")) {
+    const char *ver = cfg_str(q, "version");
+    if (ver && strcasecmp(ver, "gemm") != 0)
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "config: AWQ version '%.32s' is not supported (gemm)", ver);
+    TRY(cfg_bits4(cfg_get(q, "bits") ? cfg_get(q, "bits") : cfg_get(q, "w_bit"),
+                  "quantization_config.bits", e));
+    const cJSON *g = cfg_get(q, "group_size") ? cfg_get(q, "group_size") : cfg_get(q, "q_group_size");
+    TRY(cfg_quant_group(g, "quantization_config.group_size", &out->group_size, e));
+    bool zp = true;
+    TRY(cfg_bool_opt(q, "zero_point", true, &zp, e));
+    if (!zp)
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "config: AWQ without zero points (zero_point false) is not supported");
+    out->method = PD_QUANT_AWQ;
+    return PD_OK;
+  }
+  if (!strcmp(m, "gptq")) {
+    TRY(cfg_bits4(cfg_get(q, "bits"), "quantization_config.bits", e));
+    TRY(cfg_quant_group(cfg_get(q, "group_size"), "quantization_config.group_size",
+                        &out->group_size, e));
+    const char *f = cfg_str(q, "checkpoint_format");
+    if (!f) f = cfg_str(q, "format");
+    if (f && strcmp(f, "gptq") != 0 && strcmp(f, "gptq_v2") != 0)
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "config: GPTQ checkpoint_format '%.32s' is not supported (gptq, gptq_v2)", f);
+    if (cfg_get(q, "dynamic"))
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "config: GPTQ per-module 'dynamic' overrides are not supported yet");
+    out->method = PD_QUANT_GPTQ;
+    out->zeros_minus_one = !f || !strcmp(f, "gptq");
+    TRY(cfg_bool_opt(q, "sym", true, &out->sym, e));
+    return PD_OK;
+  }
+  if (!strcmp(m, "compressed-tensors")) {
+    const char *fmt = cfg_str(q, "format");
+    const cJSON *groups = cfg_get(q, "config_groups");
+    const cJSON *grp = groups && cJSON_IsObject(groups) ? groups->child : NULL;
+    if (!grp || grp->next)
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "config: compressed-tensors with %s config group is not supported (one)",
+                        grp ? "more than one" : "no");
+    const char *gfmt = cfg_str(grp, "format");
+    if (gfmt) fmt = gfmt;
+    if (!fmt || strcmp(fmt, "pack-quantized") != 0)
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "config: compressed-tensors format '%.32s' is not supported yet "
+                        "(pack-quantized)", fmt ? fmt : "?");
+    const cJSON *w = cfg_get(grp, "weights");
+    if (!cJSON_IsObject(w))
+      return pd_err_set(e, PD_EFORMAT, "config: compressed-tensors group without 'weights'");
+    if (cfg_get(grp, "input_activations"))
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "config: compressed-tensors activation quantization is not supported "
+                        "with pack-quantized weights");
+    TRY(cfg_bits4(cfg_get(w, "num_bits"), "weights.num_bits", e));
+    const char *type = cfg_str(w, "type");
+    if (type && strcmp(type, "int") != 0)
+      return pd_err_set(e, PD_EUNSUPPORTED, "config: compressed-tensors weights.type '%.16s'", type);
+    const char *strat = cfg_str(w, "strategy");
+    if (strat && !strcmp(strat, "channel")) {
+      out->group_size = 0;
+    } else if (!strat || !strcmp(strat, "group")) {
+      TRY(cfg_quant_group(cfg_get(w, "group_size"), "weights.group_size", &out->group_size, e));
+    } else {
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "config: compressed-tensors weights.strategy '%.16s' is not supported "
+                        "(group, channel)", strat);
+    }
+    const char *ao = cfg_str(w, "actorder");
+    if (ao && strcmp(ao, "static") != 0)
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "config: compressed-tensors weights.actorder '%.16s' is not supported "
+                        "yet (static)", ao);
+    TRY(cfg_bool_opt(w, "symmetric", true, &out->sym, e));
+    if (cfg_get(q, "kv_cache_scheme"))
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "config: compressed-tensors kv_cache_scheme is not supported yet");
+    out->method = PD_QUANT_CT_PACKED;
+    return PD_OK;
+  }
+  return pd_err_set(e, PD_EUNSUPPORTED,
+                    "config: quantization_config.quant_method '%.32s' is not supported (awq, "
+                    "gptq, compressed-tensors)", m);
+}
+
 static pd_status cfg_parse_root(const cJSON *root, pd_model_config *c, pd_err *e) {
   if (!cJSON_IsObject(root))
     return pd_err_set(e, PD_EFORMAT, "config: top level is not a JSON object");
   TRY(cfg_arch(root, c, e));
 
   const cJSON *q = cfg_get(root, "quantization_config");
-  if (q) {
-    const cJSON *m = cJSON_IsObject(q) ? cfg_get(q, "quant_method") : NULL;
-    return pd_err_set(e, PD_EUNSUPPORTED,
-                      "config: quantized checkpoints (quantization_config.quant_method "
-                      "'%.32s') are not supported",
-                      cJSON_IsString(m) ? m->valuestring : "?");
-  }
+  if (q) TRY(cfg_quant(q, &c->quant, e));
   const cJSON *act = cfg_get(root, "hidden_act");
   if (act && !(cJSON_IsString(act) && (strcmp(act->valuestring, "silu") == 0 ||
                                        strcmp(act->valuestring, "swish") == 0)))

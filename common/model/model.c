@@ -1,6 +1,7 @@
 /* Weight layout of Llama / Qwen2 / Mistral checkpoints: finds every tensor the forward pass
  * reads, checks its dtype and exact shape against config.json, and points pd_weight at the
  * mapping (nothing is copied). Tensor names are those of transformers' state dicts. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,8 +57,205 @@ static pd_status mdl_take(const pd_st *st, const char *name, int64_t rows, int64
     if (s_ != PD_OK) return s_; \
   } while (0)
 
-static pd_status mdl_layer(const pd_st *st, const pd_model_config *c, int l, pd_layer_weights *L,
-                           pd_err *e) {
+/* ---- quantized linear layers ---------------------------------------------------------------- */
+
+/* Tensor prefix.suffix with the given dtype class and shape, or an error naming it. */
+static const pd_st_tensor *q_tensor(const pd_st *st, const char *prefix, const char *suffix,
+                                    bool is_int, int64_t d0, int64_t d1, pd_err *e) {
+  char n[200], ws[64], gs[160];
+  snprintf(n, sizeof n, "%s.%s", prefix, suffix);
+  int64_t want[2] = {d0, d1};
+  mdl_shape_str(ws, sizeof ws, want, 2);
+  const pd_st_tensor *t = pd_st_find(st, n);
+  if (!t) {
+    pd_err_set(e, PD_ENOTFOUND, "quantized tensor '%s' (expected shape %s) is missing", n, ws);
+    return NULL;
+  }
+  if (is_int ? t->dtype != PD_DTYPE_I32 : !mdl_dtype_ok(t->dtype)) {
+    pd_err_set(e, PD_EFORMAT, "tensor '%s' has dtype %s, expected %s", n, pd_dtype_name(t->dtype),
+               is_int ? "I32" : "F16, BF16 or F32");
+    return NULL;
+  }
+  if (t->ndim != 2 || t->shape[0] != d0 || t->shape[1] != d1) {
+    mdl_shape_str(gs, sizeof gs, t->shape, t->ndim);
+    pd_err_set(e, PD_EFORMAT, "tensor '%s' has shape %s, expected %s", n, gs, ws);
+    return NULL;
+  }
+  return t;
+}
+
+static uint32_t q_word(const pd_st_tensor *t, int64_t r, int64_t c) {
+  uint32_t w;
+  memcpy(&w, (const char *)t->data + ((size_t)r * (size_t)t->shape[1] + (size_t)c) * 4, 4);
+  return w;
+}
+
+static float q_float(const pd_st_tensor *t, int64_t r, int64_t c) {
+  const size_t i = (size_t)r * (size_t)t->shape[1] + (size_t)c;
+  if (t->dtype == PD_DTYPE_F32) {
+    float f;
+    memcpy(&f, (const char *)t->data + i * 4, 4);
+    return f;
+  }
+  uint16_t h;
+  memcpy(&h, (const char *)t->data + i * 2, 2);
+  return t->dtype == PD_DTYPE_BF16 ? pd_bf16_to_f32(h) : pd_f16_to_f32(h);
+}
+
+/* AutoAWQ's packing order: nibble i of a word holds column 8j + awq_order[i]. */
+static const int awq_nibble_of_col[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+pd_status pd_model_quant_linear(const pd_st *st, const pd_quant_config *qc, const char *prefix,
+                                int64_t N, int64_t K, void **rows, pd_err *e) {
+  *rows = NULL;
+  if (K % PD_Q4_BLOCK || N % 8)
+    return pd_err_set(e, PD_EUNSUPPORTED,
+                      "'%s': %lld x %lld is not a shape the 4-bit kernels take (in features a "
+                      "multiple of %d, out features of 8)", prefix, (long long)N, (long long)K,
+                      PD_Q4_BLOCK);
+  const int64_t G = qc->group_size ? qc->group_size : K; /* inputs per group */
+  if (K % G)
+    return pd_err_set(e, PD_EFORMAT, "'%s': %lld input features are not whole groups of %lld",
+                      prefix, (long long)K, (long long)G);
+  const int64_t NG = K / G;
+  const pd_st_tensor *qw = NULL, *qz = NULL, *sc = NULL;
+  switch (qc->method) {
+  case PD_QUANT_AWQ:
+    if (!(qw = q_tensor(st, prefix, "qweight", true, K, N / 8, e)) ||
+        !(qz = q_tensor(st, prefix, "qzeros", true, NG, N / 8, e)) ||
+        !(sc = q_tensor(st, prefix, "scales", false, NG, N, e)))
+      return e->code;
+    break;
+  case PD_QUANT_GPTQ: {
+    if (!(qw = q_tensor(st, prefix, "qweight", true, K / 8, N, e)) ||
+        !(qz = q_tensor(st, prefix, "qzeros", true, NG, N / 8, e)) ||
+        !(sc = q_tensor(st, prefix, "scales", false, NG, N, e)))
+      return e->code;
+    char n[200];
+    snprintf(n, sizeof n, "%s.g_idx", prefix);
+    const pd_st_tensor *gi = pd_st_find(st, n);
+    if (gi) { /* act-order: groups by g_idx; only the contiguous assignment is taken yet */
+      if (gi->dtype != PD_DTYPE_I32 || gi->ndim != 1 || gi->shape[0] != K)
+        return pd_err_set(e, PD_EFORMAT, "tensor '%s' is not I32 [%lld]", n, (long long)K);
+      for (int64_t k = 0; k < K; k++) {
+        int32_t v;
+        memcpy(&v, (const char *)gi->data + (size_t)k * 4, 4);
+        if (v != (int32_t)(k / G))
+          return pd_err_set(e, PD_EUNSUPPORTED,
+                            "'%s': act-order (desc_act) groups (g_idx[%lld] = %d) are not "
+                            "supported yet", prefix, (long long)k, v);
+      }
+    }
+    break;
+  }
+  case PD_QUANT_CT_PACKED: {
+    if (!(qw = q_tensor(st, prefix, "weight_packed", true, N, K / 8, e)) ||
+        !(sc = q_tensor(st, prefix, "weight_scale", false, N, NG, e)))
+      return e->code;
+    char n[200];
+    snprintf(n, sizeof n, "%s.weight_shape", prefix);
+    const pd_st_tensor *ws = pd_st_find(st, n);
+    if (ws) {
+      int64_t v[2] = {0, 0};
+      if (ws->ndim == 1 && ws->shape[0] == 2 && ws->dtype == PD_DTYPE_I64) memcpy(v, ws->data, 16);
+      else if (ws->ndim == 1 && ws->shape[0] == 2 && ws->dtype == PD_DTYPE_I32) {
+        int32_t v32[2];
+        memcpy(v32, ws->data, 8);
+        v[0] = v32[0];
+        v[1] = v32[1];
+      }
+      if (v[0] != N || v[1] != K)
+        return pd_err_set(e, PD_EFORMAT, "tensor '%s' does not say [%lld, %lld]", n,
+                          (long long)N, (long long)K);
+    }
+    if (!qc->sym)
+      return pd_err_set(e, PD_EUNSUPPORTED,
+                        "'%s': asymmetric compressed-tensors weights are not supported yet", prefix);
+    break;
+  }
+  default:
+    return pd_err_set(e, PD_EINVAL, "'%s': not a quantized checkpoint", prefix);
+  }
+  const size_t rb = pd_dtype_row_bytes(PD_DTYPE_Q4, K);
+  uint8_t *buf = malloc((size_t)N * rb);
+  if (!buf) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  const int64_t nb = K / PD_Q4_BLOCK;
+  for (int64_t n = 0; n < N; n++) {
+    uint8_t *row = buf + (size_t)n * rb;
+    uint16_t *blk = (uint16_t *)(void *)(row + K / 2);
+    for (int64_t k = 0; k < K; k++) {
+      uint32_t q;
+      switch (qc->method) {
+      case PD_QUANT_AWQ: q = q_word(qw, k, n / 8) >> (4 * awq_nibble_of_col[n % 8]); break;
+      case PD_QUANT_GPTQ: q = q_word(qw, k / 8, n) >> (4 * (k % 8)); break;
+      default: q = q_word(qw, n, k / 8) >> (4 * (k % 8)); break;
+      }
+      q &= 15u;
+      if (k & 1) row[k / 2] |= (uint8_t)(q << 4);
+      else row[k / 2] = (uint8_t)q;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+      const int64_t g = b * PD_Q4_BLOCK / G;
+      float s, z;
+      switch (qc->method) {
+      case PD_QUANT_AWQ:
+        s = q_float(sc, g, n);
+        z = (float)((q_word(qz, g, n / 8) >> (4 * awq_nibble_of_col[n % 8])) & 15u);
+        break;
+      case PD_QUANT_GPTQ:
+        s = q_float(sc, g, n);
+        z = (float)((q_word(qz, g, n / 8) >> (4 * (n % 8))) & 15u) + (qc->zeros_minus_one ? 1.0f : 0.0f);
+        break;
+      default: /* values stored offset by 8 */
+        s = q_float(sc, n, g);
+        z = 8.0f;
+        break;
+      }
+      if (!(fabsf(s) < 65504.0f)) {
+        free(buf);
+        return pd_err_set(e, PD_EFORMAT, "'%s': scale %g of row %lld is not a finite f16",
+                          prefix, (double)s, (long long)n);
+      }
+      uint16_t sh = pd_f32_to_f16(s), zh = pd_f32_to_f16(z);
+      memcpy(&blk[2 * b], &sh, 2);
+      memcpy(&blk[2 * b + 1], &zh, 2);
+    }
+  }
+  *rows = buf;
+  return PD_OK;
+}
+
+/* The quantized weight prefix.* of a [N out, K in] linear layer as PD_DTYPE_Q4 rows, in a buffer
+ * the model owns. */
+static pd_status mdl_q4(pd_model *m, const char *prefix, int64_t N, int64_t K, pd_weight *w,
+                        pd_err *e) {
+  void **ov = realloc(m->owned, (size_t)(m->n_owned + 1) * sizeof *ov);
+  if (!ov) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  m->owned = ov;
+  void *buf;
+  TRY(pd_model_quant_linear(m->st, &m->cfg.quant, prefix, N, K, &buf, e));
+  m->owned[m->n_owned++] = buf;
+  w->data = buf;
+  w->dtype = PD_DTYPE_Q4;
+  w->rows = N;
+  w->cols = K;
+  return PD_OK;
+}
+
+/* A linear layer prefix of [rows out, cols in]: its float `.weight` where the checkpoint has one
+ * (every checkpoint; a quantized one for the layers it left alone), else its quantized tensors. */
+static pd_status mdl_linear(pd_model *m, const char *prefix, int64_t rows, int64_t cols,
+                            pd_weight *w, pd_err *e) {
+  char n[200];
+  snprintf(n, sizeof n, "%s.weight", prefix);
+  if (m->cfg.quant.method == PD_QUANT_NONE || pd_st_find(m->st, n))
+    return mdl_take(m->st, n, rows, cols, true, w, e);
+  return mdl_q4(m, prefix, rows, cols, w, e);
+}
+
+static pd_status mdl_layer(pd_model *m, int l, pd_layer_weights *L, pd_err *e) {
+  const pd_st *st = m->st;
+  const pd_model_config *c = &m->cfg;
   const int64_t D = c->hidden_size, F = c->intermediate_size;
   const int64_t Q = (int64_t)c->num_heads * c->head_dim, KV = (int64_t)c->num_kv_heads * c->head_dim;
   const bool ab = c->attention_bias, ob = c->attention_bias && c->arch == PD_ARCH_LLAMA,
@@ -68,11 +266,16 @@ static pd_status mdl_layer(const pd_st *st, const pd_model_config *c, int l, pd_
     snprintf(n, sizeof n, "model.layers.%d.%s", l, suffix);                \
     TRY(mdl_take(st, n, rows, cols, req, &L->field, e));                   \
   } while (0)
+#define LIN(field, name, rows, cols)                                       \
+  do {                                                                     \
+    snprintf(n, sizeof n, "model.layers.%d.%s", l, name);                  \
+    TRY(mdl_linear(m, n, rows, cols, &L->field, e));                       \
+  } while (0)
   W(attn_norm, "input_layernorm.weight", D, 0, true);
-  W(wq, "self_attn.q_proj.weight", Q, D, true);
-  W(wk, "self_attn.k_proj.weight", KV, D, true);
-  W(wv, "self_attn.v_proj.weight", KV, D, true);
-  W(wo, "self_attn.o_proj.weight", D, Q, true);
+  LIN(wq, "self_attn.q_proj", Q, D);
+  LIN(wk, "self_attn.k_proj", KV, D);
+  LIN(wv, "self_attn.v_proj", KV, D);
+  LIN(wo, "self_attn.o_proj", D, Q);
   if (ab) {
     W(bq, "self_attn.q_proj.bias", Q, 0, true);
     W(bk, "self_attn.k_proj.bias", KV, 0, true);
@@ -80,15 +283,16 @@ static pd_status mdl_layer(const pd_st *st, const pd_model_config *c, int l, pd_
   }
   if (ob) W(bo, "self_attn.o_proj.bias", D, 0, true);
   W(ffn_norm, "post_attention_layernorm.weight", D, 0, true);
-  W(w_gate, "mlp.gate_proj.weight", F, D, true);
-  W(w_up, "mlp.up_proj.weight", F, D, true);
-  W(w_down, "mlp.down_proj.weight", D, F, true);
+  LIN(w_gate, "mlp.gate_proj", F, D);
+  LIN(w_up, "mlp.up_proj", F, D);
+  LIN(w_down, "mlp.down_proj", D, F);
   if (mb) {
     W(b_gate, "mlp.gate_proj.bias", F, 0, true);
     W(b_up, "mlp.up_proj.bias", F, 0, true);
     W(b_down, "mlp.down_proj.bias", D, 0, true);
   }
 #undef W
+#undef LIN
   return PD_OK;
 }
 
@@ -103,7 +307,7 @@ static pd_status mdl_weights(pd_model *m, pd_err *e) {
   if (c->tie_word_embeddings) m->lm_head = m->tok_embeddings;
   m->layers = calloc((size_t)c->num_layers, sizeof *m->layers);
   if (!m->layers) return pd_err_set(e, PD_ENOMEM, "out of memory");
-  for (int l = 0; l < c->num_layers; l++) TRY(mdl_layer(m->st, c, l, &m->layers[l], e));
+  for (int l = 0; l < c->num_layers; l++) TRY(mdl_layer(m, l, &m->layers[l], e));
   return PD_OK;
 }
 
@@ -140,5 +344,7 @@ void pd_model_free(pd_model *m) {
   if (!m) return;
   pd_st_close(m->st);
   free(m->layers);
+  for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
+  free(m->owned);
   free(m);
 }

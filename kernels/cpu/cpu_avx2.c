@@ -66,6 +66,13 @@ static inline __m128i v_load16_n(const uint16_t *p, int n) {
     (lo) = _mm256_castsi256_ps(_mm256_slli_epi32(w_, 16));                                       \
     (hi) = _mm256_castsi256_ps(_mm256_and_si256(w_, _mm256_set1_epi32((int)0xffff0000u)));        \
   } while (0)
+/* 8 bytes of 4-bit values: lo = the low nibbles (elements 0,2,..), hi = the high ones. */
+#define V_LOAD_Q4_PAIR(p, lo, hi)                                                                \
+  do {                                                                                           \
+    __m256i q_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p)));       \
+    (lo) = _mm256_cvtepi32_ps(_mm256_and_si256(q_, _mm256_set1_epi32(15)));                       \
+    (hi) = _mm256_cvtepi32_ps(_mm256_srli_epi32(q_, 4));                                          \
+  } while (0)
 /* shuffle_ps picks even (odd) elements per 128-bit lane; permute4x64 joins the lanes. */
 #define V_DEINTERLEAVE(a, b, ev, od)                                                             \
   do {                                                                                           \

@@ -45,6 +45,13 @@ static inline __mmask16 v_mask(int n) { return (__mmask16)((1u << n) - 1u); }
     (lo) = _mm512_castsi512_ps(_mm512_slli_epi32(w_, 16));                                       \
     (hi) = _mm512_castsi512_ps(_mm512_and_si512(w_, _mm512_set1_epi32((int)0xffff0000u)));        \
   } while (0)
+/* 16 bytes of 4-bit values: lo = the low nibbles (elements 0,2,..), hi = the high ones. */
+#define V_LOAD_Q4_PAIR(p, lo, hi)                                                                \
+  do {                                                                                           \
+    __m512i q_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)));       \
+    (lo) = _mm512_cvtepi32_ps(_mm512_and_si512(q_, _mm512_set1_epi32(15)));                       \
+    (hi) = _mm512_cvtepi32_ps(_mm512_srli_epi32(q_, 4));                                          \
+  } while (0)
 #define V_DEINTERLEAVE(a, b, ev, od)                                                             \
   do {                                                                                           \
     const __m512i ie_ = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0); \

@@ -95,6 +95,10 @@ static void run(cpu_impl *c, pd_pool_fn fn, void *ctx, int n_tasks, int parallel
 static int check_wdt(pd_dtype t) {
   return t == PD_DTYPE_F32 || t == PD_DTYPE_F16 || t == PD_DTYPE_BF16;
 }
+/* Matmul weights: the float types and 4-bit blocks (K a multiple of PD_Q4_BLOCK). */
+static int check_mm_wdt(pd_dtype t, int K) {
+  return check_wdt(t) || (t == PD_DTYPE_Q4 && K % PD_Q4_BLOCK == 0);
+}
 
 /* ---- memory ---------------------------------------------------------------------------------- */
 
@@ -154,7 +158,7 @@ static void cpu_matmul(pd_backend *be, float *y, const float *x, const void *w, 
   cpu_impl *c = impl_of(be);
   const pd_cpu_kern *k = c->k;
   PD_ASSERT(M >= 0 && N >= 0 && K >= 0);
-  PD_ASSERT(check_wdt(wdt));
+  PD_ASSERT(check_mm_wdt(wdt, K));
   if (M == 0 || N == 0) return;
   if (K == 0) {
     for (int i = 0; i < M; i++) {
@@ -170,7 +174,7 @@ static void cpu_matmul(pd_backend *be, float *y, const float *x, const void *w, 
   mm_ctx m = {.c = c, .y = y, .x = x, .w = w, .wdt = wdt, .bias = bias, .M = M, .N = N, .K = K};
 
   if (M <= k->gemv_max_m) {
-    if (wdt == PD_DTYPE_BF16)
+    if (wdt == PD_DTYPE_BF16 || wdt == PD_DTYPE_Q4)
       m.x = k->gemv_prep(host_scratch(c, (size_t)M * K * sizeof(float)), x, wdt, M, K);
     /* About four tasks per thread, in whole 8-row steps, for dynamic balance. */
     int n_tasks = parallel ? 4 * c->nt : 1;

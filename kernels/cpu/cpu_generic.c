@@ -35,6 +35,11 @@ typedef float vf;
     (lo) = pd_bf16_to_f32((p)[0]);                                                               \
     (hi) = pd_bf16_to_f32((p)[1]);                                                               \
   } while (0)
+#define V_LOAD_Q4_PAIR(p, lo, hi)                                                                \
+  do {                                                                                           \
+    (lo) = (float)(*(const uint8_t *)(p) & 15);                                                  \
+    (hi) = (float)(*(const uint8_t *)(p) >> 4);                                                  \
+  } while (0)
 #define V_DEINTERLEAVE(a, b, ev, od)                                                             \
   do {                                                                                           \
     (ev) = (a);                                                                                  \

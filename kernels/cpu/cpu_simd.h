@@ -11,6 +11,7 @@
  *                                 below -87.33, so e^-inf == 0
  *   V_LOAD_BF16(p) V_LOAD_F16(p) V_LOAD_BF16_N(p,n) V_LOAD_F16_N(p,n)   exact widening loads
  *   V_LOAD_BF16_PAIR(p,lo,hi)     2*VL bf16 -> lo = elements 0,2,4,.. hi = elements 1,3,5,..
+ *   V_LOAD_Q4_PAIR(p,lo,hi)       VL bytes of 4-bit values -> lo = low nibbles, hi = high ones
  *   V_DEINTERLEAVE(a,b,ev,od)     32-bit lanes of (a,b) = x[0..2VL): ev = x[0,2,..], od = x[1,3,..]
  *   v_transpose(vf r[VL])         in-register VL x VL transpose
  *   v_hsum4(a,b,c,d,out)          out[0..3] = horizontal sums of a..d
@@ -186,7 +187,7 @@ static void k_rope(float *x, int n_heads, int head_dim, const float *cs) {
  * ============================================================================================== */
 
 static const float *k_gemv_prep(float *xp, const float *x, pd_dtype wdt, int M, int K) {
-  if (wdt != PD_DTYPE_BF16) return x;
+  if (wdt != PD_DTYPE_BF16 && wdt != PD_DTYPE_Q4) return x;
   int K2 = K / (2 * VL) * (2 * VL);
   for (int m = 0; m < M; m++) {
     const float *src = x + (size_t)m * K;
@@ -309,9 +310,132 @@ AI void gv_dt(float *y, const float *xp, const void *w, pd_dtype dt, const float
   }
 }
 
+/* ---- 4-bit weights (PD_DTYPE_Q4) ----
+ * A row: K / 2 bytes of values, then K / 32 (f16 scale, f16 zero) pairs. The VL bytes of a 2 * VL
+ * chunk hold its even elements in their low nibbles and its odd ones in their high nibbles: the
+ * order k_gemv_prep gives x (as for bf16), so a chunk is two vectors of values, each widened,
+ * offset by the block's zero and scaled in registers, then an FMA with x as for float W. */
+
+/* f16 -> f32, exact (normals, subnormals, infinities, NaN): F16C where the ISA has it. */
+#if VL > 1
+AI float q4_f16(uint16_t h) { return _cvtsh_ss(h); }
+#else
+AI float q4_f16(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (ex == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (ex) {
+    u = sign | ((ex + 112u) << 23) | (man << 13);
+  } else {
+    float f = (float)man * (1.0f / 16777216.0f); /* man * 2^-24 */
+    memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+#endif
+
+AI size_t q4_row_bytes(int K) { return (size_t)K / 2 + (size_t)K / 8; }
+
+AI void gq_block(float *y, const float *xp, const uint8_t *w, const float *bias, int M, int R,
+                 int N, int K, int n) {
+  vf acc[16];
+#pragma GCC unroll 16
+  for (int f = 0; f < M * R; f++) acc[f] = V_ZERO();
+  const size_t rb = q4_row_bytes(K);
+  const int nblk = K / PD_Q4_BLOCK;
+  for (int b = 0; b < nblk; b++) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      const uint8_t *row = w + (size_t)(n + r) * rb;
+      uint16_t sz[2];
+      memcpy(sz, row + (size_t)K / 2 + (size_t)b * 4, 4);
+      const vf s = V_SET1(q4_f16(sz[0])), z = V_SET1(q4_f16(sz[1]));
+      if (VL >= 8) __builtin_prefetch(row + rb + (size_t)b * 16, 0, 3); /* the next row's */
+#pragma GCC unroll 16
+      for (int c = 0; c < PD_Q4_BLOCK / (2 * VL); c++) {
+        vf lo, hi;
+        V_LOAD_Q4_PAIR(row + (size_t)b * (PD_Q4_BLOCK / 2) + (size_t)c * VL, lo, hi);
+        const vf wl = V_MUL(V_SUB(lo, z), s), wh = V_MUL(V_SUB(hi, z), s);
+        const size_t k = (size_t)b * PD_Q4_BLOCK + (size_t)c * 2 * VL;
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+          acc[m * R + r] = V_FMA(wl, V_LOAD(xp + (size_t)m * K + k), acc[m * R + r]);
+          acc[m * R + r] = V_FMA(wh, V_LOAD(xp + (size_t)m * K + k + VL), acc[m * R + r]);
+        }
+      }
+    }
+  }
+  float s[16];
+  int f = 0;
+#pragma GCC unroll 4
+  for (; f + 4 <= M * R; f += 4) v_hsum4(acc[f], acc[f + 1], acc[f + 2], acc[f + 3], s + f);
+#pragma GCC unroll 4
+  for (; f < M * R; f++) s[f] = V_HSUM(acc[f]);
+#pragma GCC unroll 8
+  for (int m = 0; m < M; m++) {
+    float *yr = y + (size_t)m * N + n;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) yr[r] = bias ? s[m * R + r] + bias[n + r] : s[m * R + r];
+  }
+}
+
+AI void gq_rows(float *y, const float *xp, const uint8_t *w, const float *bias, int M, int R,
+                int N, int K, int n0, int n1) {
+  int n = n0;
+  for (; n + R <= n1; n += R) gq_block(y, xp, w, bias, M, R, N, K, n);
+  for (; n < n1; n++) gq_block(y, xp, w, bias, M, 1, N, K, n);
+}
+
+/* As gv_dt: passes of at most four x rows over blocks of GV_NB W rows, so that the passes after
+ * the first read the block from L2. */
+static void gv_q4(float *y, const float *xp, const void *w, const float *bias, int M, int N,
+                  int K, int n0_, int n1_) {
+  for (int n0 = n0_; n0 < n1_; n0 += GV_NB) {
+    const int n1 = n1_ - n0 < GV_NB ? n1_ : n0 + GV_NB;
+    for (int m0 = 0; m0 < M; m0 += 4) {
+      int mp = M - m0 < 4 ? M - m0 : 4;
+      float *ym = y + (size_t)m0 * N;
+      const float *xm = xp + (size_t)m0 * K;
+      switch (mp) {
+      case 1: gq_rows(ym, xm, w, bias, 1, GV_R1, N, K, n0, n1); break;
+      case 2: gq_rows(ym, xm, w, bias, 2, GV_R2, N, K, n0, n1); break;
+      case 3: gq_rows(ym, xm, w, bias, 3, GV_R3, N, K, n0, n1); break;
+      default: gq_rows(ym, xm, w, bias, 4, GV_R4, N, K, n0, n1); break;
+      }
+    }
+  }
+}
+
+/* The GEMM's panel of 4-bit W: rows [n0, n0 + nv), depth [k0, k0 + kc), dequantized. */
+static void mm_pack_q4(float *pw, const void *w, int K, int n0, int nv, int k0, int kc) {
+  const size_t rb = q4_row_bytes(K);
+  for (int i = 0; i < MM_NR; i++) {
+    if (i >= nv) {
+      for (int k = 0; k < kc; k++) pw[(size_t)k * MM_NR + i] = 0.0f;
+      continue;
+    }
+    const uint8_t *row = (const uint8_t *)w + (size_t)(n0 + i) * rb;
+    for (int k = 0; k < kc;) {
+      const int kk = k0 + k, b = kk / PD_Q4_BLOCK, end = (b + 1) * PD_Q4_BLOCK - k0;
+      uint16_t sz[2];
+      memcpy(sz, row + (size_t)K / 2 + (size_t)b * 4, 4);
+      const float s = q4_f16(sz[0]), z = q4_f16(sz[1]);
+      for (; k < kc && k < end; k++) {
+        const int j = k0 + k;
+        const int q = (row[j / 2] >> ((j & 1) * 4)) & 15;
+        pw[(size_t)k * MM_NR + i] = ((float)q - z) * s;
+      }
+    }
+  }
+}
+
 static void k_gemv(float *y, const float *xp, const void *w, pd_dtype wdt, const float *bias,
                    int M, int N, int K, int n0, int n1) {
   switch (wdt) {
+  case PD_DTYPE_Q4: gv_q4(y, xp, w, bias, M, N, K, n0, n1); break;
   case PD_DTYPE_BF16: gv_dt(y, xp, w, PD_DTYPE_BF16, bias, M, N, K, n0, n1); break;
   case PD_DTYPE_F16: gv_dt(y, xp, w, PD_DTYPE_F16, bias, M, N, K, n0, n1); break;
   default: gv_dt(y, xp, w, PD_DTYPE_F32, bias, M, N, K, n0, n1); break;
@@ -377,6 +501,7 @@ AI void mm_pack_dt(float *pw, const void *w, pd_dtype dt, int K, int n0, int nv,
 
 static void mm_pack(float *pw, const void *w, pd_dtype dt, int K, int n0, int nv, int k0, int kc) {
   switch (dt) {
+  case PD_DTYPE_Q4: mm_pack_q4(pw, w, K, n0, nv, k0, kc); break;
   case PD_DTYPE_BF16: mm_pack_dt(pw, w, PD_DTYPE_BF16, K, n0, nv, k0, kc); break;
   case PD_DTYPE_F16: mm_pack_dt(pw, w, PD_DTYPE_F16, K, n0, nv, k0, kc); break;
   default: mm_pack_dt(pw, w, PD_DTYPE_F32, K, n0, nv, k0, kc); break;
@@ -504,7 +629,9 @@ static void k_gemm(float *y, const float *x, const void *w, pd_dtype wdt, const 
       mm_pack(panel, w, wdt, K, n0, nv, k0, kc);
       /* What this task reads next: the next depth block of this panel, else the next panel. */
       mm_pf pf = {.rows_left = 0};
-      if (k0 + kc < K) {
+      if (wdt == PD_DTYPE_Q4) {
+        /* (rows of another layout: no prefetch walk) */
+      } else if (k0 + kc < K) {
         int kn = K - (k0 + kc) < MM_KC ? K - (k0 + kc) : MM_KC;
         pf = (mm_pf){(const char *)w + ((size_t)n0 * K + k0 + kc) * esz, (size_t)K * esz, 0,
                      (int)(kn * esz), nv};

@@ -27,6 +27,12 @@ pd_add_py_test(test_deploy_files test_deploy_files.py 120
 pd_add_py_test(test_deploy_bundle test_deploy_bundle.py 120
                --repo ${PROJECT_SOURCE_DIR} --bin-dir ${PROJECT_BINARY_DIR})
 
+if(TARGET pdctl)
+  # pdctl perplexity against the quantization tools' own perplexities (tests/data/quant).
+  pd_add_py_test(test_pdctl_perplexity test_pdctl_perplexity.py 600
+                 --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR})
+endif()
+
 if(TARGET pdctl AND TARGET pdclient AND TARGET pd-router AND TARGET pd-prefill AND TARGET pd-decode)
   foreach(t cluster client bench)
     pd_add_py_test(test_pdctl_${t} test_pdctl_${t}.py 240

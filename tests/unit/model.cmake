@@ -5,3 +5,6 @@ pd_add_test(NAME test_safetensors
 pd_add_test(NAME test_model
   SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_model.c ${PROJECT_SOURCE_DIR}/tests/st_writer.c
   LABELS unit TIMEOUT 60)
+# 4-bit checkpoints made by GPTQModel, AutoAWQ and llm-compressor (tests/data/quant): loading,
+# the engine's 4-bit rows and CPU kernels against the tools' own float32 references.
+pd_add_test(NAME test_quant SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_quant.c LABELS unit TIMEOUT 300)

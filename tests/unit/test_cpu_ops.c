@@ -241,6 +241,60 @@ static void test_matmul(void) {
   }
 }
 
+/* 4-bit weights (PD_DTYPE_Q4): random values, scales and zeros in the engine's row layout,
+ * against the same weights dequantized in double. GEMV (few rows) and GEMM (many) paths, every
+ * ISA and thread count. */
+static void test_matmul_q4(void) {
+  static const mm_case cases[] = {{1, 8, 32},     {1, 1000, 384}, {2, 17, 64},   {3, 40, 1024},
+                                  {4, 96, 384},   {5, 33, 96},    {17, 128, 384}, {64, 129, 1024},
+                                  {100, 40, 352}, {256, 389, 384}, {1, 4096, 1024}};
+  for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+    const int M = cases[ci].M, N = cases[ci].N, K = cases[ci].K, nb = K / PD_Q4_BLOCK;
+    const size_t rb = pd_dtype_row_bytes(PD_DTYPE_Q4, K);
+    CHECK(rb == (size_t)K / 2 + (size_t)nb * 4, "Q4 row bytes");
+    uint8_t *w = xmalloc((size_t)N * rb);
+    float *wf = xmalloc((size_t)N * K * sizeof(float));
+    float *x = xmalloc((size_t)M * K * sizeof(float)), *bias = xmalloc((size_t)N * sizeof(float));
+    for (int n = 0; n < N; n++) {
+      uint8_t *row = w + (size_t)n * rb;
+      for (int b = 0; b < nb; b++) {
+        const float sc = pd_f16_to_f32(pd_f32_to_f16(frand(0.001f, 0.05f)));
+        const float z = (float)(int)frand(0, 16.99f);
+        uint16_t h[2] = {pd_f32_to_f16(sc), pd_f32_to_f16(z)};
+        memcpy(row + K / 2 + b * 4, h, 4);
+        for (int i = 0; i < PD_Q4_BLOCK; i++) {
+          const int k = b * PD_Q4_BLOCK + i, q = (int)frand(0, 15.99f);
+          if (k & 1) row[k / 2] |= (uint8_t)(q << 4);
+          else row[k / 2] = (uint8_t)q;
+          wf[(size_t)n * K + k] = ((float)q - z) * sc;
+        }
+      }
+      bias[n] = frand(-1, 1);
+    }
+    for (size_t i = 0; i < (size_t)M * K; i++) x[i] = frand(-1, 1);
+    float *y = xmalloc((size_t)M * N * sizeof(float));
+    for (int b = 0; b < g_nbe; b++) {
+      pd_backend *be = g_be[b];
+      g_cfg = g_names[b];
+      const int use_bias = (int)(ci % 2);
+      be->ops.matmul(be, y, x, w, PD_DTYPE_Q4, use_bias ? bias : NULL, M, N, K);
+      double worst = 0;
+      for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+          double s = use_bias ? bias[n] : 0, a = use_bias ? fabs(bias[n]) : 0;
+          for (int k = 0; k < K; k++) {
+            s += (double)x[(size_t)m * K + k] * wf[(size_t)n * K + k];
+            a += fabs((double)x[(size_t)m * K + k] * wf[(size_t)n * K + k]);
+          }
+          const double err = fabs(y[(size_t)m * N + n] - s) / (a + 1e-30);
+          if (!(err <= worst)) worst = err;
+        }
+      CHECK(worst <= 1e-5, "Q4 matmul M=%d N=%d K=%d: rel err %.3g", M, N, K, worst);
+    }
+    free(w), free(wf), free(x), free(bias), free(y);
+  }
+}
+
 /* ---- row ops --------------------------------------------------------------------------------- */
 static void test_norms(void) {
   static const int Ms[] = {1, 7, 64};
@@ -613,6 +667,7 @@ int main(void) {
     test_memory(g_be[b]);
   }
   test_matmul();
+  test_matmul_q4();
   test_norms();
   test_swiglu();
   test_embed_getrows_add();

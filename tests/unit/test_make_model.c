@@ -533,6 +533,64 @@ static void test_mistral_f16(void) {
   pd_model_free(m);
 }
 
+static void expect_fail(const char *needle, const char *first, ...);
+
+/* --quantization awq / gptq: the published 4-bit layouts (qweight, qzeros, scales, g_idx) that
+ * the loader repacks, values around the zero point 8 with one f16 scale per layer; embeddings,
+ * norms and lm_head in --dtype; a forward pass of finite, varying logits. */
+static void test_quantized(void) {
+  static const char *methods[2] = {"awq", "gptq"};
+  for (int k = 0; k < 2; k++) {
+    char d[300];
+    snprintf(d, sizeof d, "%s/q-%s", g_tmp, methods[k]);
+    int rc = run("--like", "llama3-8b", "--layers", "2", "--hidden", "128", "--heads", "4",
+                 "--kv-heads", "2", "--ffn", "256", "--vocab", "300", "--quantization",
+                 methods[k], "--group-size", "64", "--out", d, NULL);
+    CHECKF(rc == 0, "%s", g_out);
+    pd_model *m = rc ? NULL : load(d);
+    if (!m) continue;
+    const pd_model_config *c = &m->cfg;
+    CHECK(c->quant.method == (k ? PD_QUANT_GPTQ : PD_QUANT_AWQ) && c->quant.group_size == 64);
+    CHECK(m->tok_embeddings.dtype == PD_DTYPE_BF16 && m->lm_head.dtype == PD_DTYPE_BF16);
+    const pd_weight *w = &m->layers[1].w_down; /* [128 out, 256 in] */
+    CHECK(w->dtype == PD_DTYPE_Q4 && w->rows == 128 && w->cols == 256);
+    if (w->dtype == PD_DTYPE_Q4) {
+      const size_t rb = pd_dtype_row_bytes(PD_DTYPE_Q4, 256);
+      int hist[16] = {0};
+      bool zeros8 = true, one_scale = true;
+      uint16_t s0;
+      memcpy(&s0, (const uint8_t *)w->data + 128, 2);
+      for (int n = 0; n < 128; n++) {
+        const uint8_t *r = (const uint8_t *)w->data + (size_t)n * rb;
+        for (int i = 0; i < 128; i++) {
+          hist[r[i] & 15]++;
+          hist[r[i] >> 4]++;
+        }
+        for (int b = 0; b < 8; b++) {
+          uint16_t sz[2];
+          memcpy(sz, r + 128 + b * 4, 4);
+          zeros8 &= pd_f16_to_f32(sz[1]) == 8.0f;
+          one_scale &= sz[0] == s0;
+        }
+      }
+      /* sigma(ffn 256) = 0.02 capped: scale 0.02 / 4.61 */
+      CHECKF(zeros8 && one_scale &&
+                 fabsf(pd_f16_to_f32(s0) - 0.02f / 4.61f) < 1e-5f,
+             "%s: zero points 8 and one scale %g", methods[k], pd_f16_to_f32(s0));
+      for (int q = 0; q < 16; q++) /* uniform values: 32768 / 16 = 2048 each */
+        CHECKF(hist[q] > 1700 && hist[q] < 2400, "%s: value %d %d times", methods[k], q, hist[q]);
+    }
+    check_forward(m);
+    pd_model_free(m);
+  }
+  char d[300];
+  snprintf(d, sizeof d, "%s/q-bad", g_tmp);
+  expect_fail("--quantization 'fp8' is not one of awq, gptq", "--like", "pycoder-12m",
+              "--quantization", "fp8", "--out", d, NULL);
+  expect_fail("--group-size 48", "--like", "pycoder-12m", "--quantization", "awq",
+              "--group-size", "48", "--out", d, NULL);
+}
+
 /* --like pycoder-12m reproduces the real pycoder-12m's config and copies its tokenizer. */
 static void test_pycoder_real_tokenizer(void) {
   char d[300], real[600];
@@ -738,6 +796,7 @@ int main(void) {
   test_sigma_cap();
   test_qwen2_f32();
   test_mistral_f16();
+  test_quantized();
   test_pycoder_real_tokenizer();
   test_llama3_real_tokenizer();
   test_synthetic_full_vocab();

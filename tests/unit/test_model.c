@@ -307,8 +307,15 @@ static void test_config(void) {
   FAIL_WITH(parse_with("LlamaForCausalLM", "\"hidden_act\":\"gelu\"", &c, &e), PD_EUNSUPPORTED,
             "gelu");
   FAIL_WITH(parse_with("LlamaForCausalLM",
+                       "\"quantization_config\":{\"quant_method\":\"hqq\",\"bits\":4}", &c, &e),
+            PD_EUNSUPPORTED, "hqq");
+  FAIL_WITH(parse_with("LlamaForCausalLM",
                        "\"quantization_config\":{\"quant_method\":\"awq\",\"bits\":4}", &c, &e),
-            PD_EUNSUPPORTED, "awq");
+            PD_EFORMAT, "group_size is missing");
+  CHECK(parse_with("LlamaForCausalLM",
+                   "\"quantization_config\":{\"quant_method\":\"awq\",\"bits\":4,"
+                   "\"group_size\":128,\"version\":\"GEMM\",\"zero_point\":true}", &c, &e) == PD_OK &&
+        c.quant.method == PD_QUANT_AWQ && c.quant.group_size == 128);
 
   /* RoPE, new layout. */
   CHECK(parse_with("LlamaForCausalLM",

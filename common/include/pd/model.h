@@ -30,6 +30,23 @@ typedef struct pd_rope_config {
 
 #define PD_MAX_EOS 8
 
+/* Weight quantization of a checkpoint as published (config.json's quantization_config). */
+typedef enum pd_quant_method {
+  PD_QUANT_NONE = 0,
+  PD_QUANT_AWQ,  /* AutoAWQ "gemm": qweight [in, out/8], qzeros [in/g, out/8], scales [in/g, out] */
+  PD_QUANT_GPTQ, /* qweight [in/8, out], qzeros [in/g, out/8], scales [in/g, out], g_idx [in] */
+  PD_QUANT_CT_PACKED, /* compressed-tensors pack-quantized: weight_packed [out, in/8],
+                         weight_scale [out, in/g], weight_zero_point when asymmetric */
+} pd_quant_method;
+
+typedef struct pd_quant_config {
+  pd_quant_method method;
+  int bits;         /* 4 */
+  int group_size;   /* input features per scale; 0 = the whole row (GPTQ -1, channel strategy) */
+  bool sym;         /* symmetric: no stored zero points (zero 2^(bits-1)) */
+  bool zeros_minus_one; /* GPTQ checkpoint_format "gptq": stored zeros are z - 1 */
+} pd_quant_config;
+
 typedef struct pd_model_config {
   pd_arch arch;
   char architecture[64]; /* as written in config.json */
@@ -53,6 +70,7 @@ typedef struct pd_model_config {
   int n_eos;
   int eos_token_ids[PD_MAX_EOS];
   pd_dtype dtype; /* declared torch dtype ("dtype" or "torch_dtype"), BF16 if absent */
+  pd_quant_config quant; /* method PD_QUANT_NONE: float weights */
 } pd_model_config;
 
 /* Parses config.json text. Unsupported architectures and RoPE types are PD_EUNSUPPORTED;
@@ -93,6 +111,9 @@ typedef struct pd_model {
   pd_weight final_norm;     /* model.norm.weight [hidden] */
   pd_weight lm_head;        /* lm_head.weight, or tok_embeddings when tied */
   pd_layer_weights *layers; /* [num_layers] */
+  /* weights the loader made (quantized checkpoints repacked into PD_DTYPE_Q4), freed with it */
+  void **owned;
+  int n_owned;
 } pd_model;
 
 typedef struct pd_model_opts {
@@ -100,8 +121,18 @@ typedef struct pd_model_opts {
 } pd_model_opts;
 
 /* Loads config.json and maps the weights of dir; checks every tensor's presence, dtype
- * (F32/F16/BF16) and shape against the config. o may be NULL. */
+ * (F32/F16/BF16) and shape against the config. o may be NULL. The linear layers of a quantized
+ * checkpoint (config quant) are repacked into PD_DTYPE_Q4 rows; a layer the checkpoint left
+ * unquantized (a float `.weight`, as modules_to_not_convert / ignore lists leave them) is
+ * mapped as it is. */
 pd_model *pd_model_load(const char *dir, const pd_model_opts *o, pd_err *e);
+/* The quantized linear layer prefix (e.g. "model.layers.0.self_attn.q_proj") of [N out, K in]
+ * in st, in the layout qc names, repacked into PD_DTYPE_Q4 rows: *rows is a malloc'ed buffer of
+ * N * pd_dtype_row_bytes(PD_DTYPE_Q4, K) bytes (the caller frees it). Tensors missing or of the
+ * wrong dtype or shape, shapes the kernels do not take and act-order groups are errors naming
+ * the tensor. */
+pd_status pd_model_quant_linear(const pd_st *st, const pd_quant_config *qc, const char *prefix,
+                                int64_t N, int64_t K, void **rows, pd_err *e);
 void pd_model_free(pd_model *m);
 
 /* Fingerprint of a model folder for the router's compatibility check: XXH64 of config.json

@@ -23,11 +23,22 @@ typedef enum pd_dtype {
   PD_DTYPE_BOOL,
   PD_DTYPE_F8_E4M3,
   PD_DTYPE_F8_E5M2,
+  /* 4-bit weights in blocks of 32 along a row (the engine's form of AWQ, GPTQ and
+   * compressed-tensors INT4 checkpoints; never a file's dtype). A row of K elements (K a
+   * multiple of 32) is K / 2 bytes of values, byte j holding element 2j in its low nibble and
+   * 2j + 1 in its high one, then K / 32 pairs of f16 (scale, zero) for its blocks of 32:
+   * w = (q - zero) * scale, exact in float32. */
+  PD_DTYPE_Q4,
   PD_DTYPE_COUNT
 } pd_dtype;
 
-/* Bytes per element (1 for the 8-bit types). */
+/* Elements per block of PD_DTYPE_Q4, and the bytes of one row of K elements. */
+#define PD_Q4_BLOCK 32
+
+/* Bytes per element (1 for the 8-bit types; 0 for PD_DTYPE_Q4, see pd_dtype_row_bytes). */
 size_t pd_dtype_size(pd_dtype t);
+/* Bytes of one row of cols elements (PD_DTYPE_Q4: cols / 2 + cols / 8). */
+size_t pd_dtype_row_bytes(pd_dtype t, int64_t cols);
 /* safetensors spelling: "F32", "BF16", ... */
 const char *pd_dtype_name(pd_dtype t);
 /* Parses a safetensors dtype string; returns -1 when unknown. */
