@@ -1,5 +1,6 @@
 /* Status messages, failure reports and dtype helpers shared by all libraries. */
 #include <execinfo.h>
+#include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -125,7 +126,8 @@ static const struct {
     [PD_DTYPE_I16] = {"I16", 2},     [PD_DTYPE_I32] = {"I32", 4},
     [PD_DTYPE_I64] = {"I64", 8},     [PD_DTYPE_BOOL] = {"BOOL", 1},
     [PD_DTYPE_F8_E4M3] = {"F8_E4M3", 1}, [PD_DTYPE_F8_E5M2] = {"F8_E5M2", 1},
-    [PD_DTYPE_Q4] = {"Q4", 0},
+    [PD_DTYPE_Q4] = {"Q4", 0},       [PD_DTYPE_F8W] = {"F8W", 1},
+    [PD_DTYPE_F8WA] = {"F8WA", 1},
 };
 
 size_t pd_dtype_size(pd_dtype t) { return (t >= 0 && t < PD_DTYPE_COUNT) ? dtype_info[t].size : 0; }
@@ -134,13 +136,48 @@ const char *pd_dtype_name(pd_dtype t) {
 }
 size_t pd_dtype_row_bytes(pd_dtype t, int64_t cols) {
   if (t == PD_DTYPE_Q4) return (size_t)cols / 2 + (size_t)cols / 8;
+  if (t == PD_DTYPE_F8W || t == PD_DTYPE_F8WA) return (size_t)cols + 4;
   return (size_t)cols * pd_dtype_size(t);
 }
 
 int pd_dtype_from_name(const char *s) {
   for (int i = 0; i < PD_DTYPE_COUNT; i++)
-    if (i != PD_DTYPE_Q4 && strcmp(s, dtype_info[i].name) == 0) return i;
+    if (i != PD_DTYPE_Q4 && i != PD_DTYPE_F8W && i != PD_DTYPE_F8WA &&
+        strcmp(s, dtype_info[i].name) == 0)
+      return i;
   return -1;
+}
+
+float pd_e4m3_to_f32(uint8_t b) {
+  if ((b & 0x7f) == 0x7f) return NAN;
+  /* the 7 bits placed at the top of an f32's exponent and mantissa, scaled by 2^120: normal and
+   * subnormal values alike (2^-9 steps below 2^-6) */
+  uint32_t u = (uint32_t)(b & 0x7f) << 20;
+  float f;
+  memcpy(&f, &u, 4);
+  f *= 0x1p120f;
+  return (b & 0x80) ? -f : f;
+}
+
+uint8_t pd_f32_to_e4m3(float f) {
+  if (f != f) return 0x7f;
+  const uint8_t sign = signbit(f) ? 0x80 : 0;
+  float a = fabsf(f);
+  if (a >= 448.0f) return sign | 0x7e; /* saturated */
+  if (a < 0x1p-6f) { /* subnormal: multiples of 2^-9, nearest even */
+    float q = nearbyintf(a * 512.0f); /* default rounding mode: to nearest even */
+    return sign | (uint8_t)q;         /* (8 = 2^-6 is the smallest normal: 0x08) */
+  }
+  int e;
+  float m = frexpf(a, &e);            /* a = m * 2^e, m in [0.5, 1) */
+  float q = nearbyintf(m * 16.0f);    /* 8..16: 1.mmm with 3 fraction bits */
+  if (q >= 16.0f) {
+    q = 8.0f;
+    e++;
+  }
+  const int be = e - 1 + 7; /* biased exponent of 1.mmm * 2^(e-1) */
+  if (be > 15 || (be == 15 && q - 8.0f > 6.0f)) return sign | 0x7e;
+  return sign | (uint8_t)(be << 3) | (uint8_t)(q - 8.0f);
 }
 
 float pd_f16_to_f32(uint16_t h) {

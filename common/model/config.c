@@ -402,6 +402,42 @@ static pd_status cfg_quant(const cJSON *q, pd_quant_config *out, pd_err *e) {
                         grp ? "more than one" : "no");
     const char *gfmt = cfg_str(grp, "format");
     if (gfmt) fmt = gfmt;
+    if (fmt && !strcmp(fmt, "float-quantized")) {
+      const cJSON *w = cfg_get(grp, "weights");
+      if (!cJSON_IsObject(w))
+        return pd_err_set(e, PD_EFORMAT, "config: compressed-tensors group without 'weights'");
+      int b = 0;
+      if (!cfg_get(w, "num_bits"))
+        return pd_err_set(e, PD_EFORMAT, "config: weights.num_bits is missing");
+      TRY(cfg_as_int(cfg_get(w, "num_bits"), "weights.num_bits", 1, 64, &b, e));
+      const char *type = cfg_str(w, "type"), *strat = cfg_str(w, "strategy");
+      if (b != 8 || !type || strcmp(type, "float") != 0)
+        return pd_err_set(e, PD_EUNSUPPORTED,
+                          "config: compressed-tensors float-quantized weights of %d bits, type "
+                          "'%.16s' (8-bit float only)", b, type ? type : "?");
+      if (strat && strcmp(strat, "channel") != 0 && strcmp(strat, "tensor") != 0)
+        return pd_err_set(e, PD_EUNSUPPORTED,
+                          "config: FP8 weights.strategy '%.16s' is not supported (channel, "
+                          "tensor)", strat);
+      const cJSON *in = cfg_get(grp, "input_activations");
+      if (in) {
+        bool dyn = false;
+        TRY(cfg_bool_opt(in, "dynamic", false, &dyn, e));
+        const char *is = cfg_str(in, "strategy"), *it = cfg_str(in, "type");
+        if (!dyn || (is && strcmp(is, "token") != 0) || (it && strcmp(it, "float") != 0))
+          return pd_err_set(e, PD_EUNSUPPORTED,
+                            "config: FP8 input activations other than dynamic per token (static "
+                            "scales, strategy '%.16s') are not supported yet", is ? is : "?");
+        out->act_fp8_dynamic = true;
+      }
+      if (cfg_get(q, "kv_cache_scheme"))
+        return pd_err_set(e, PD_EUNSUPPORTED,
+                          "config: compressed-tensors kv_cache_scheme (FP8 KV cache) is not "
+                          "supported yet");
+      out->bits = 8;
+      out->method = PD_QUANT_CT_FP8;
+      return PD_OK;
+    }
     if (!fmt || strcmp(fmt, "pack-quantized") != 0)
       return pd_err_set(e, PD_EUNSUPPORTED,
                         "config: compressed-tensors format '%.32s' is not supported yet "

@@ -225,16 +225,25 @@ pd_status pd_model_quant_linear(const pd_st *st, const pd_quant_config *qc, cons
   return PD_OK;
 }
 
+/* A model-owned slot for one more buffer the loader makes. */
+static pd_status mdl_own(pd_model *m, void *buf, pd_err *e) {
+  void **ov = realloc(m->owned, (size_t)(m->n_owned + 1) * sizeof *ov);
+  if (!ov) {
+    free(buf);
+    return pd_err_set(e, PD_ENOMEM, "out of memory");
+  }
+  m->owned = ov;
+  m->owned[m->n_owned++] = buf;
+  return PD_OK;
+}
+
 /* The quantized weight prefix.* of a [N out, K in] linear layer as PD_DTYPE_Q4 rows, in a buffer
  * the model owns. */
 static pd_status mdl_q4(pd_model *m, const char *prefix, int64_t N, int64_t K, pd_weight *w,
                         pd_err *e) {
-  void **ov = realloc(m->owned, (size_t)(m->n_owned + 1) * sizeof *ov);
-  if (!ov) return pd_err_set(e, PD_ENOMEM, "out of memory");
-  m->owned = ov;
   void *buf;
   TRY(pd_model_quant_linear(m->st, &m->cfg.quant, prefix, N, K, &buf, e));
-  m->owned[m->n_owned++] = buf;
+  TRY(mdl_own(m, buf, e));
   w->data = buf;
   w->dtype = PD_DTYPE_Q4;
   w->rows = N;
@@ -242,13 +251,77 @@ static pd_status mdl_q4(pd_model *m, const char *prefix, int64_t N, int64_t K, p
   return PD_OK;
 }
 
+pd_status pd_model_fp8_linear(const pd_st *st, const pd_quant_config *qc, const char *prefix,
+                               int64_t N, int64_t K, void **rows, pd_err *e) {
+  *rows = NULL;
+  char n[200], gs[160], ws[64];
+  int64_t want[2] = {N, K};
+  mdl_shape_str(ws, sizeof ws, want, 2);
+  snprintf(n, sizeof n, "%s.weight", prefix);
+  const pd_st_tensor *w = pd_st_find(st, n);
+  if (!w || w->dtype != PD_DTYPE_F8_E4M3 || w->ndim != 2 || w->shape[0] != N || w->shape[1] != K) {
+    if (w) mdl_shape_str(gs, sizeof gs, w->shape, w->ndim);
+    return pd_err_set(e, w ? PD_EFORMAT : PD_ENOTFOUND, "FP8 tensor '%s': expected F8_E4M3 %s%s%s",
+                      n, ws, w ? ", found " : " (missing)", w ? gs : "");
+  }
+  if (K % 16)
+    return pd_err_set(e, PD_EUNSUPPORTED,
+                      "'%s': %lld input features (the FP8 kernels take multiples of 16)", prefix,
+                      (long long)K);
+  snprintf(n, sizeof n, "%s.weight_scale", prefix);
+  const pd_st_tensor *sc = pd_st_find(st, n);
+  int64_t ns = 1;
+  if (sc)
+    for (int i = 0; i < sc->ndim; i++) ns *= sc->shape[i];
+  if (!sc || !mdl_dtype_ok(sc->dtype) || (ns != 1 && ns != N) ||
+      (ns == N && N > 1 && !(sc->ndim == 2 && sc->shape[1] == 1) && sc->ndim != 1))
+    return pd_err_set(e, PD_EFORMAT,
+                      "tensor '%s': expected a scale per output channel [%lld, 1] or one scale",
+                      n, (long long)N);
+  const size_t rb = pd_dtype_row_bytes(PD_DTYPE_F8W, K);
+  uint8_t *buf = malloc((size_t)N * rb);
+  if (!buf) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  for (int64_t r = 0; r < N; r++) {
+    memcpy(buf + (size_t)r * rb, (const uint8_t *)w->data + (size_t)r * (size_t)K, (size_t)K);
+    const int64_t i = ns == 1 ? 0 : r;
+    float s;
+    if (sc->dtype == PD_DTYPE_F32) {
+      memcpy(&s, (const char *)sc->data + (size_t)i * 4, 4);
+    } else {
+      uint16_t h;
+      memcpy(&h, (const char *)sc->data + (size_t)i * 2, 2);
+      s = sc->dtype == PD_DTYPE_BF16 ? pd_bf16_to_f32(h) : pd_f16_to_f32(h);
+    }
+    if (!isfinite(s)) {
+      free(buf);
+      return pd_err_set(e, PD_EFORMAT, "tensor '%s': scale %lld is not finite", n, (long long)i);
+    }
+    memcpy(buf + (size_t)r * rb + (size_t)K, &s, 4);
+  }
+  (void)qc;
+  *rows = buf;
+  return PD_OK;
+}
+
 /* A linear layer prefix of [rows out, cols in]: its float `.weight` where the checkpoint has one
- * (every checkpoint; a quantized one for the layers it left alone), else its quantized tensors. */
+ * (every checkpoint; a quantized one for the layers it left alone), else its quantized tensors
+ * (FP8 checkpoints keep the name `.weight` for their e4m3 tensors). */
 static pd_status mdl_linear(pd_model *m, const char *prefix, int64_t rows, int64_t cols,
                             pd_weight *w, pd_err *e) {
   char n[200];
   snprintf(n, sizeof n, "%s.weight", prefix);
-  if (m->cfg.quant.method == PD_QUANT_NONE || pd_st_find(m->st, n))
+  const pd_st_tensor *t = pd_st_find(m->st, n);
+  if (m->cfg.quant.method == PD_QUANT_CT_FP8 && t && t->dtype == PD_DTYPE_F8_E4M3) {
+    void *buf;
+    TRY(pd_model_fp8_linear(m->st, &m->cfg.quant, prefix, rows, cols, &buf, e));
+    TRY(mdl_own(m, buf, e));
+    w->data = buf;
+    w->dtype = m->cfg.quant.act_fp8_dynamic ? PD_DTYPE_F8WA : PD_DTYPE_F8W;
+    w->rows = rows;
+    w->cols = cols;
+    return PD_OK;
+  }
+  if (m->cfg.quant.method == PD_QUANT_NONE || m->cfg.quant.method == PD_QUANT_CT_FP8 || t)
     return mdl_take(m->st, n, rows, cols, true, w, e);
   return mdl_q4(m, prefix, rows, cols, w, e);
 }

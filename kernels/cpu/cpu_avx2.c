@@ -66,6 +66,15 @@ static inline __m128i v_load16_n(const uint16_t *p, int n) {
     (lo) = _mm256_castsi256_ps(_mm256_slli_epi32(w_, 16));                                       \
     (hi) = _mm256_castsi256_ps(_mm256_and_si256(w_, _mm256_set1_epi32((int)0xffff0000u)));        \
   } while (0)
+/* 8 bytes of e4m3 -> f32, exact (see cpu_avx512.c) */
+#define V_LOAD_E4M3(p)                                                                           \
+  ({                                                                                             \
+    __m256i b_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p)));       \
+    __m256i m_ = _mm256_slli_epi32(_mm256_and_si256(b_, _mm256_set1_epi32(0x7f)), 20);            \
+    __m256i s_ = _mm256_slli_epi32(_mm256_and_si256(b_, _mm256_set1_epi32(0x80)), 24);            \
+    vf f_ = _mm256_mul_ps(_mm256_castsi256_ps(m_), _mm256_set1_ps(0x1p120f));                     \
+    _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f_), s_));                            \
+  })
 /* 8 bytes of 4-bit values: lo = the low nibbles (elements 0,2,..), hi = the high ones. */
 #define V_LOAD_Q4_PAIR(p, lo, hi)                                                                \
   do {                                                                                           \

@@ -45,6 +45,16 @@ static inline __mmask16 v_mask(int n) { return (__mmask16)((1u << n) - 1u); }
     (lo) = _mm512_castsi512_ps(_mm512_slli_epi32(w_, 16));                                       \
     (hi) = _mm512_castsi512_ps(_mm512_and_si512(w_, _mm512_set1_epi32((int)0xffff0000u)));        \
   } while (0)
+/* 16 bytes of e4m3 -> f32, exact: the 7 bits at the top of an f32 scaled by 2^120 (normal and
+ * subnormal alike), then the sign. */
+#define V_LOAD_E4M3(p)                                                                           \
+  ({                                                                                             \
+    __m512i b_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p)));       \
+    __m512i m_ = _mm512_slli_epi32(_mm512_and_si512(b_, _mm512_set1_epi32(0x7f)), 20);            \
+    __m512i s_ = _mm512_slli_epi32(_mm512_and_si512(b_, _mm512_set1_epi32(0x80)), 24);            \
+    vf f_ = _mm512_mul_ps(_mm512_castsi512_ps(m_), _mm512_set1_ps(0x1p120f));                     \
+    _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f_), s_));                            \
+  })
 /* 16 bytes of 4-bit values: lo = the low nibbles (elements 0,2,..), hi = the high ones. */
 #define V_LOAD_Q4_PAIR(p, lo, hi)                                                                \
   do {                                                                                           \

@@ -97,7 +97,8 @@ static int check_wdt(pd_dtype t) {
 }
 /* Matmul weights: the float types and 4-bit blocks (K a multiple of PD_Q4_BLOCK). */
 static int check_mm_wdt(pd_dtype t, int K) {
-  return check_wdt(t) || (t == PD_DTYPE_Q4 && K % PD_Q4_BLOCK == 0);
+  return check_wdt(t) || (t == PD_DTYPE_Q4 && K % PD_Q4_BLOCK == 0) ||
+         ((t == PD_DTYPE_F8W || t == PD_DTYPE_F8WA) && K % 16 == 0);
 }
 
 /* ---- memory ---------------------------------------------------------------------------------- */
@@ -168,6 +169,20 @@ static void cpu_matmul(pd_backend *be, float *y, const float *x, const void *w, 
         memset(y + (size_t)i * N, 0, (size_t)N * sizeof(float));
     }
     return;
+  }
+  /* FP8 activations (F8WA): each row quantized to e4m3 with its own scale, max|x| / 448, and
+   * back, as the checkpoint's dynamic per-token scheme does before its product */
+  if (wdt == PD_DTYPE_F8WA) {
+    float *xq = host_scratch(c, (size_t)M * K * sizeof(float));
+    for (int i = 0; i < M; i++) {
+      const float *xr = x + (size_t)i * K;
+      float *qr = xq + (size_t)i * K, amax = 0.0f;
+      for (int j = 0; j < K; j++) amax = fmaxf(amax, fabsf(xr[j]));
+      const float sc = amax / 448.0f;
+      for (int j = 0; j < K; j++)
+        qr[j] = sc > 0.0f ? pd_e4m3_to_f32(pd_f32_to_e4m3(xr[j] / sc)) * sc : 0.0f;
+    }
+    x = xq;
   }
   double macs = (double)M * N * K;
   int parallel = c->nt > 1 && macs >= PAR_MIN_MACS;

@@ -35,6 +35,7 @@ typedef float vf;
     (lo) = pd_bf16_to_f32((p)[0]);                                                               \
     (hi) = pd_bf16_to_f32((p)[1]);                                                               \
   } while (0)
+#define V_LOAD_E4M3(p) pd_e4m3_to_f32(*(const uint8_t *)(p))
 #define V_LOAD_Q4_PAIR(p, lo, hi)                                                                \
   do {                                                                                           \
     (lo) = (float)(*(const uint8_t *)(p) & 15);                                                  \

@@ -12,6 +12,7 @@
  *   V_LOAD_BF16(p) V_LOAD_F16(p) V_LOAD_BF16_N(p,n) V_LOAD_F16_N(p,n)   exact widening loads
  *   V_LOAD_BF16_PAIR(p,lo,hi)     2*VL bf16 -> lo = elements 0,2,4,.. hi = elements 1,3,5,..
  *   V_LOAD_Q4_PAIR(p,lo,hi)       VL bytes of 4-bit values -> lo = low nibbles, hi = high ones
+ *   V_LOAD_E4M3(p)                VL bytes of FP8 e4m3 -> VL floats, exact
  *   V_DEINTERLEAVE(a,b,ev,od)     32-bit lanes of (a,b) = x[0..2VL): ev = x[0,2,..], od = x[1,3,..]
  *   v_transpose(vf r[VL])         in-register VL x VL transpose
  *   v_hsum4(a,b,c,d,out)          out[0..3] = horizontal sums of a..d
@@ -432,9 +433,89 @@ static void mm_pack_q4(float *pw, const void *w, int K, int n0, int nv, int k0, 
   }
 }
 
+/* ---- FP8 weights (PD_DTYPE_F8W, F8WA: rows of K e4m3 bytes, then an f32 scale) ----
+ * x in natural order (F8WA's activations were quantized before, in the backend); each row's sum
+ * is scaled at the end. */
+AI void gf_block(float *y, const float *x, const uint8_t *w, const float *bias, int M, int R,
+                 int N, int K, int n) {
+  vf acc[16];
+#pragma GCC unroll 16
+  for (int f = 0; f < M * R; f++) acc[f] = V_ZERO();
+  const size_t rb = (size_t)K + 4;
+  for (int k = 0; k < K; k += VL) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      const uint8_t *row = w + (size_t)(n + r) * rb;
+      if (VL >= 8 && (k & 63) == 0) __builtin_prefetch(row + rb + k, 0, 3);
+      const vf wv = V_LOAD_E4M3(row + k);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; m++)
+        acc[m * R + r] = V_FMA(wv, V_LOAD(x + (size_t)m * K + k), acc[m * R + r]);
+    }
+  }
+  float s[16];
+  int f = 0;
+#pragma GCC unroll 4
+  for (; f + 4 <= M * R; f += 4) v_hsum4(acc[f], acc[f + 1], acc[f + 2], acc[f + 3], s + f);
+#pragma GCC unroll 4
+  for (; f < M * R; f++) s[f] = V_HSUM(acc[f]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) {
+    float sc;
+    memcpy(&sc, w + (size_t)(n + r) * rb + K, 4);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) {
+      const float v = s[m * R + r] * sc;
+      y[(size_t)m * N + n + r] = bias ? v + bias[n + r] : v;
+    }
+  }
+}
+
+AI void gf_rows(float *y, const float *x, const uint8_t *w, const float *bias, int M, int R,
+                int N, int K, int n0, int n1) {
+  int n = n0;
+  for (; n + R <= n1; n += R) gf_block(y, x, w, bias, M, R, N, K, n);
+  for (; n < n1; n++) gf_block(y, x, w, bias, M, 1, N, K, n);
+}
+
+static void gv_f8(float *y, const float *x, const void *w, const float *bias, int M, int N, int K,
+                  int n0_, int n1_) {
+  for (int n0 = n0_; n0 < n1_; n0 += GV_NB) {
+    const int n1 = n1_ - n0 < GV_NB ? n1_ : n0 + GV_NB;
+    for (int m0 = 0; m0 < M; m0 += 4) {
+      int mp = M - m0 < 4 ? M - m0 : 4;
+      float *ym = y + (size_t)m0 * N;
+      const float *xm = x + (size_t)m0 * K;
+      switch (mp) {
+      case 1: gf_rows(ym, xm, w, bias, 1, GV_R1, N, K, n0, n1); break;
+      case 2: gf_rows(ym, xm, w, bias, 2, GV_R2, N, K, n0, n1); break;
+      case 3: gf_rows(ym, xm, w, bias, 3, GV_R3, N, K, n0, n1); break;
+      default: gf_rows(ym, xm, w, bias, 4, GV_R4, N, K, n0, n1); break;
+      }
+    }
+  }
+}
+
+/* The GEMM's panel of FP8 W, dequantized (scale applied). */
+static void mm_pack_f8(float *pw, const void *w, int K, int n0, int nv, int k0, int kc) {
+  const size_t rb = (size_t)K + 4;
+  for (int i = 0; i < MM_NR; i++) {
+    if (i >= nv) {
+      for (int k = 0; k < kc; k++) pw[(size_t)k * MM_NR + i] = 0.0f;
+      continue;
+    }
+    const uint8_t *row = (const uint8_t *)w + (size_t)(n0 + i) * rb;
+    float sc;
+    memcpy(&sc, row + K, 4);
+    for (int k = 0; k < kc; k++) pw[(size_t)k * MM_NR + i] = pd_e4m3_to_f32(row[k0 + k]) * sc;
+  }
+}
+
 static void k_gemv(float *y, const float *xp, const void *w, pd_dtype wdt, const float *bias,
                    int M, int N, int K, int n0, int n1) {
   switch (wdt) {
+  case PD_DTYPE_F8W:
+  case PD_DTYPE_F8WA: gv_f8(y, xp, w, bias, M, N, K, n0, n1); break;
   case PD_DTYPE_Q4: gv_q4(y, xp, w, bias, M, N, K, n0, n1); break;
   case PD_DTYPE_BF16: gv_dt(y, xp, w, PD_DTYPE_BF16, bias, M, N, K, n0, n1); break;
   case PD_DTYPE_F16: gv_dt(y, xp, w, PD_DTYPE_F16, bias, M, N, K, n0, n1); break;
@@ -502,6 +583,8 @@ AI void mm_pack_dt(float *pw, const void *w, pd_dtype dt, int K, int n0, int nv,
 static void mm_pack(float *pw, const void *w, pd_dtype dt, int K, int n0, int nv, int k0, int kc) {
   switch (dt) {
   case PD_DTYPE_Q4: mm_pack_q4(pw, w, K, n0, nv, k0, kc); break;
+  case PD_DTYPE_F8W:
+  case PD_DTYPE_F8WA: mm_pack_f8(pw, w, K, n0, nv, k0, kc); break;
   case PD_DTYPE_BF16: mm_pack_dt(pw, w, PD_DTYPE_BF16, K, n0, nv, k0, kc); break;
   case PD_DTYPE_F16: mm_pack_dt(pw, w, PD_DTYPE_F16, K, n0, nv, k0, kc); break;
   default: mm_pack_dt(pw, w, PD_DTYPE_F32, K, n0, nv, k0, kc); break;
@@ -629,7 +712,7 @@ static void k_gemm(float *y, const float *x, const void *w, pd_dtype wdt, const 
       mm_pack(panel, w, wdt, K, n0, nv, k0, kc);
       /* What this task reads next: the next depth block of this panel, else the next panel. */
       mm_pf pf = {.rows_left = 0};
-      if (wdt == PD_DTYPE_Q4) {
+      if (wdt == PD_DTYPE_Q4 || wdt == PD_DTYPE_F8W || wdt == PD_DTYPE_F8WA) {
         /* (rows of another layout: no prefetch walk) */
       } else if (k0 + kc < K) {
         int kn = K - (k0 + kc) < MM_KC ? K - (k0 + kc) : MM_KC;

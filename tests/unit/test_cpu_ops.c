@@ -295,6 +295,65 @@ static void test_matmul_q4(void) {
   }
 }
 
+/* FP8 weights (PD_DTYPE_F8W: e4m3 rows and an f32 scale each; F8WA: the activations quantized to
+ * e4m3 per row first), against the same arithmetic in double. */
+static void test_matmul_f8(void) {
+  static const mm_case cases[] = {{1, 8, 16},   {1, 1000, 384}, {2, 17, 64},    {4, 96, 384},
+                                  {5, 33, 96},  {17, 128, 384}, {64, 129, 1024}, {100, 40, 352},
+                                  {1, 4096, 1024}};
+  for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+    const int M = cases[ci].M, N = cases[ci].N, K = cases[ci].K;
+    const size_t rb = pd_dtype_row_bytes(PD_DTYPE_F8W, K);
+    uint8_t *w = xmalloc((size_t)N * rb);
+    float *wf = xmalloc((size_t)N * K * sizeof(float));
+    float *x = xmalloc((size_t)M * K * sizeof(float)), *xq = xmalloc((size_t)M * K * sizeof(float));
+    float *bias = xmalloc((size_t)N * sizeof(float)), *y = xmalloc((size_t)M * N * sizeof(float));
+    for (int n = 0; n < N; n++) {
+      const float sc = frand(0.001f, 0.01f);
+      for (int k = 0; k < K; k++) {
+        uint8_t b = (uint8_t)irand(256);
+        if ((b & 0x7f) == 0x7f) b = 0x7e; /* not NaN */
+        w[(size_t)n * rb + k] = b;
+        wf[(size_t)n * K + k] = pd_e4m3_to_f32(b) * sc;
+      }
+      memcpy(w + (size_t)n * rb + K, &sc, 4);
+      bias[n] = frand(-1, 1);
+    }
+    for (size_t i = 0; i < (size_t)M * K; i++) x[i] = frand(-3, 3);
+    for (int m = 0; m < M; m++) { /* the dynamic per-row FP8 activations */
+      float amax = 0;
+      for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[(size_t)m * K + k]));
+      const float sc = amax / 448.0f;
+      for (int k = 0; k < K; k++)
+        xq[(size_t)m * K + k] = pd_e4m3_to_f32(pd_f32_to_e4m3(x[(size_t)m * K + k] / sc)) * sc;
+    }
+    for (int act = 0; act < 2; act++) {
+      const pd_dtype dt = act ? PD_DTYPE_F8WA : PD_DTYPE_F8W;
+      const float *xr = act ? xq : x;
+      for (int b = 0; b < g_nbe; b++) {
+        pd_backend *be = g_be[b];
+        g_cfg = g_names[b];
+        const int use_bias = (int)((ci + act) % 2);
+        be->ops.matmul(be, y, x, w, dt, use_bias ? bias : NULL, M, N, K);
+        double worst = 0;
+        for (int m = 0; m < M; m++)
+          for (int n = 0; n < N; n++) {
+            double sum = use_bias ? bias[n] : 0, a = use_bias ? fabs(bias[n]) : 0;
+            for (int k = 0; k < K; k++) {
+              sum += (double)xr[(size_t)m * K + k] * wf[(size_t)n * K + k];
+              a += fabs((double)xr[(size_t)m * K + k] * wf[(size_t)n * K + k]);
+            }
+            const double err = fabs(y[(size_t)m * N + n] - sum) / (a + 1e-30);
+            if (!(err <= worst)) worst = err;
+          }
+        CHECK(worst <= 1e-5, "%s matmul M=%d N=%d K=%d: rel err %.3g", pd_dtype_name(dt), M, N,
+              K, worst);
+      }
+    }
+    free(w), free(wf), free(x), free(xq), free(bias), free(y);
+  }
+}
+
 /* ---- row ops --------------------------------------------------------------------------------- */
 static void test_norms(void) {
   static const int Ms[] = {1, 7, 64};
@@ -668,6 +727,7 @@ int main(void) {
   }
   test_matmul();
   test_matmul_q4();
+  test_matmul_f8();
   test_norms();
   test_swiglu();
   test_embed_getrows_add();

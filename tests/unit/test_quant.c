@@ -9,6 +9,8 @@
  *     0.14): layer 0's q_proj, the tool's own tensors byte for byte (extract_layer0.py), repacked
  *     into the engine's 4-bit rows, dequantizes to the tool's float32 weight: the first 8
  *     values and the largest |w| exactly, the sum and the sum of |w| to float rounding;
+ *   - compressed-tensors FP8 (FP8_DYNAMIC, llm-compressor): layer 0's q_proj likewise, and e4m3
+ *     conversions both ways (every value, ties to even, saturation, subnormals);
  *   - quantization configs the kernels cannot take are refused with a message naming them. */
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -76,8 +78,12 @@ static void test_model_dir(const char *dir) {
   o.kv_cache_dtype = "f32";
   pd_err e = {0};
   REQUIRE(pd_runtime_open(&rt, &o, on_event, &out, &e) == PD_OK);
-  CHECK(rt.model->cfg.quant.method != PD_QUANT_NONE && rt.model->cfg.quant.group_size == 128);
-  CHECK(rt.model->layers[0].wq.dtype == PD_DTYPE_Q4);
+  const bool fp8 = rt.model->cfg.quant.method == PD_QUANT_CT_FP8;
+  CHECK(rt.model->cfg.quant.method != PD_QUANT_NONE && (fp8 || rt.model->cfg.quant.group_size == 128));
+  CHECK(rt.model->layers[0].wq.dtype == (fp8 ? PD_DTYPE_F8WA : PD_DTYPE_Q4));
+  /* ../shared/quant/README.md: weight-only 4-bit within 1e-3, greedy up to a gap of 0.02; FP8
+   * weights and activations within 2e-2 (per-token scales may round differently), gap 0.1 */
+  const double tol = fp8 ? 2e-2 : 1e-3, tie = fp8 ? 0.1 : 0.02;
   const char *name = strrchr(dir, '/') ? strrchr(dir, '/') + 1 : dir;
   const int V = rt.model->cfg.vocab_size;
   float *lg = malloc((size_t)V * sizeof *lg), *rl = malloc((size_t)V * sizeof *rl);
@@ -120,7 +126,7 @@ static void test_model_dir(const char *dir) {
     }
     printf("%s case %d: %d prompt tokens, last-position logits within %.2e of the largest "
            "|logit| %.3f\n", name, ci, n, maxdiff / maxref, maxref);
-    CHECKF(maxdiff <= 1e-3 * maxref, "%s case %d: logits differ by %.3g (largest |logit| %.3g)",
+    CHECKF(maxdiff <= tol * maxref, "%s case %d: logits differ by %.3g (largest |logit| %.3g)",
            name, ci, maxdiff, maxref);
     /* greedy: the tool's ids up to its first near-tie */
     pd_sampling_params sp;
@@ -135,13 +141,13 @@ static void test_model_dir(const char *dir) {
     int same = 0;
     for (int t = 0; t < cJSON_GetArraySize(gi) && t < out.n; t++) {
       if (out.ids[t] != cJSON_GetArrayItem(gi, t)->valueint) {
-        CHECKF(cJSON_GetArrayItem(gap, t)->valuedouble < 0.02,
+        CHECKF(cJSON_GetArrayItem(gap, t)->valuedouble < tie,
                "%s case %d token %d: %d, the tool's %d (gap %.3g)", name, ci, t, out.ids[t],
                cJSON_GetArrayItem(gi, t)->valueint, cJSON_GetArrayItem(gap, t)->valuedouble);
         break;
       }
       same++;
-      if (cJSON_GetArrayItem(gap, t)->valuedouble < 0.02) break;
+      if (cJSON_GetArrayItem(gap, t)->valuedouble < tie) break;
     }
     printf("%s case %d: %d greedy ids equal the tool's\n", name, ci, same);
     ci++;
@@ -176,16 +182,20 @@ static void test_layer0(const char *name, const char *check_key) {
   const int N = cJSON_GetArrayItem(cJSON_GetObjectItem(chk, "shape"), 0)->valueint;
   const int K = cJSON_GetArrayItem(cJSON_GetObjectItem(chk, "shape"), 1)->valueint;
   void *rows = NULL;
-  REQUIRE(pd_model_quant_linear(st, &cfg.quant, "model.layers.0.self_attn.q_proj", N, K, &rows,
-                                &e) == PD_OK);
-  const size_t rb = pd_dtype_row_bytes(PD_DTYPE_Q4, K);
+  const bool fp8 = cfg.quant.method == PD_QUANT_CT_FP8;
+  REQUIRE((fp8 ? pd_model_fp8_linear : pd_model_quant_linear)(
+              st, &cfg.quant, "model.layers.0.self_attn.q_proj", N, K, &rows, &e) == PD_OK);
+  const size_t rb = pd_dtype_row_bytes(fp8 ? PD_DTYPE_F8W : PD_DTYPE_Q4, K);
   double sum = 0, asum = 0, mx = 0;
   float first8[8];
   for (int n = 0; n < N; n++) {
     const uint8_t *r = (const uint8_t *)rows + (size_t)n * rb;
+    float fsc = 0;
+    if (fp8) memcpy(&fsc, r + K, 4);
     for (int k = 0; k < K; k++) {
       const int b = k / PD_Q4_BLOCK, q = (r[k / 2] >> ((k & 1) * 4)) & 15;
-      const float w = ((float)q - f16(r + K / 2 + b * 4 + 2)) * f16(r + K / 2 + b * 4);
+      const float w = fp8 ? pd_e4m3_to_f32(r[k]) * fsc
+                          : ((float)q - f16(r + K / 2 + b * 4 + 2)) * f16(r + K / 2 + b * 4);
       if (n == 0 && k < 8) first8[k] = w;
       sum += w;
       asum += fabs(w);
@@ -236,6 +246,18 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) test_model_dir(argv[i]);
   test_layer0("pycoder-12m-awq-gemm-g128-q_proj", NULL);
   test_layer0("pycoder-12m-llmc-w4a16-q_proj", "exact_f32_variant");
+  test_layer0("pycoder-qwen2-4m-llmc-fp8-dynamic-q_proj", "exact_f32_variant");
+  /* e4m3: every byte round-trips; rounding to nearest even, saturation, subnormals */
+  for (int b = 0; b < 256; b++)
+    if ((b & 0x7f) != 0x7f)
+      CHECKF(pd_f32_to_e4m3(pd_e4m3_to_f32((uint8_t)b)) == (b == 0x80 ? 0x80 : b),
+             "e4m3 %#x -> %g -> %#x", b, pd_e4m3_to_f32((uint8_t)b),
+             pd_f32_to_e4m3(pd_e4m3_to_f32((uint8_t)b)));
+  CHECK(pd_e4m3_to_f32(0x7e) == 448.0f && pd_e4m3_to_f32(0x01) == 0x1p-9f &&
+        pd_e4m3_to_f32(0x08) == 0x1p-6f && pd_e4m3_to_f32(0xb8) == -1.0f);
+  CHECK(pd_f32_to_e4m3(1000.0f) == 0x7e && pd_f32_to_e4m3(-1e9f) == 0xfe);
+  CHECK(pd_f32_to_e4m3(1.0625f) == 0x38 && pd_f32_to_e4m3(1.1875f) == 0x3a); /* ties to even */
+  CHECK(pd_f32_to_e4m3(0x1p-10f) == 0x00 && pd_f32_to_e4m3(0x1.8p-10f) == 0x01);
   refused("{\"quant_method\":\"bitsandbytes\"}", "'bitsandbytes' is not supported");
   refused("{\"quant_method\":\"gptq\",\"bits\":8,\"group_size\":128}", "8 is not supported");
   refused("{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":16}", "group_size 16");
@@ -244,12 +266,20 @@ int main(int argc, char **argv) {
   refused("{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":128,\"checkpoint_format\":"
           "\"marlin\"}", "checkpoint_format 'marlin'");
   refused("{\"quant_method\":\"compressed-tensors\",\"format\":\"float-quantized\","
-          "\"config_groups\":{\"g\":{\"format\":\"float-quantized\",\"weights\":{\"num_bits\":8,"
-          "\"type\":\"float\"}}}}", "format 'float-quantized' is not supported yet");
+          "\"config_groups\":{\"g\":{\"format\":\"float-quantized\",\"weights\":{\"num_bits\":4,"
+          "\"type\":\"float\"}}}}", "8-bit float only");
+  refused("{\"quant_method\":\"compressed-tensors\",\"format\":\"naive-quantized\","
+          "\"config_groups\":{\"g\":{\"weights\":{\"num_bits\":8}}}}",
+          "format 'naive-quantized' is not supported yet");
   refused("{\"quant_method\":\"compressed-tensors\",\"format\":\"pack-quantized\","
           "\"config_groups\":{\"g\":{\"weights\":{\"num_bits\":4,\"type\":\"int\","
           "\"strategy\":\"group\",\"group_size\":128,\"actorder\":\"group\"}}}}",
           "actorder 'group'");
+  refused("{\"quant_method\":\"compressed-tensors\",\"format\":\"float-quantized\","
+          "\"config_groups\":{\"g\":{\"weights\":{\"num_bits\":8,\"type\":\"float\","
+          "\"strategy\":\"tensor\"},\"input_activations\":{\"num_bits\":8,\"type\":"
+          "\"float\",\"strategy\":\"tensor\",\"dynamic\":false}}}}",
+          "static scales");
   refused("[1]", "not an object");
   if (pd_test_failures) {
     printf("test_quant: %d checks failed\n", pd_test_failures);

@@ -37,6 +37,8 @@ typedef enum pd_quant_method {
   PD_QUANT_GPTQ, /* qweight [in/8, out], qzeros [in/g, out/8], scales [in/g, out], g_idx [in] */
   PD_QUANT_CT_PACKED, /* compressed-tensors pack-quantized: weight_packed [out, in/8],
                          weight_scale [out, in/g], weight_zero_point when asymmetric */
+  PD_QUANT_CT_FP8,    /* compressed-tensors float-quantized: weight e4m3 [out, in], weight_scale
+                         per channel [out, 1] or per tensor */
 } pd_quant_method;
 
 typedef struct pd_quant_config {
@@ -45,6 +47,7 @@ typedef struct pd_quant_config {
   int group_size;   /* input features per scale; 0 = the whole row (GPTQ -1, channel strategy) */
   bool sym;         /* symmetric: no stored zero points (zero 2^(bits-1)) */
   bool zeros_minus_one; /* GPTQ checkpoint_format "gptq": stored zeros are z - 1 */
+  bool act_fp8_dynamic; /* FP8: activations quantized per token at run time (FP8_DYNAMIC) */
 } pd_quant_config;
 
 typedef struct pd_model_config {
@@ -133,6 +136,10 @@ pd_model *pd_model_load(const char *dir, const pd_model_opts *o, pd_err *e);
  * the tensor. */
 pd_status pd_model_quant_linear(const pd_st *st, const pd_quant_config *qc, const char *prefix,
                                 int64_t N, int64_t K, void **rows, pd_err *e);
+/* The same for an FP8 (compressed-tensors float-quantized) layer: prefix.weight e4m3 [N, K] and
+ * prefix.weight_scale (per channel or one) as PD_DTYPE_F8W rows (N * (K + 4) bytes). */
+pd_status pd_model_fp8_linear(const pd_st *st, const pd_quant_config *qc, const char *prefix,
+                               int64_t N, int64_t K, void **rows, pd_err *e);
 void pd_model_free(pd_model *m);
 
 /* Fingerprint of a model folder for the router's compatibility check: XXH64 of config.json

@@ -29,6 +29,12 @@ typedef enum pd_dtype {
    * 2j + 1 in its high one, then K / 32 pairs of f16 (scale, zero) for its blocks of 32:
    * w = (q - zero) * scale, exact in float32. */
   PD_DTYPE_Q4,
+  /* FP8 weights (compressed-tensors float-quantized; never a file's dtype): a row of K elements
+   * (K a multiple of 16) is K bytes of e4m3 values then one f32 scale: w = e4m3 * scale. F8WA:
+   * the same, and the activations go through FP8 quantize-dequantize per row (token) first:
+   * x' = e4m3(x / s) * s with s = max|x| / 448, as the checkpoint's dynamic activation scheme. */
+  PD_DTYPE_F8W,
+  PD_DTYPE_F8WA,
   PD_DTYPE_COUNT
 } pd_dtype;
 
@@ -37,7 +43,7 @@ typedef enum pd_dtype {
 
 /* Bytes per element (1 for the 8-bit types; 0 for PD_DTYPE_Q4, see pd_dtype_row_bytes). */
 size_t pd_dtype_size(pd_dtype t);
-/* Bytes of one row of cols elements (PD_DTYPE_Q4: cols / 2 + cols / 8). */
+/* Bytes of one row of cols elements (PD_DTYPE_Q4: cols / 2 + cols / 8; F8W, F8WA: cols + 4). */
 size_t pd_dtype_row_bytes(pd_dtype t, int64_t cols);
 /* safetensors spelling: "F32", "BF16", ... */
 const char *pd_dtype_name(pd_dtype t);
@@ -61,6 +67,11 @@ static inline uint16_t pd_f32_to_bf16(float f) {
 }
 
 float pd_f16_to_f32(uint16_t h);
+/* FP8 e4m3 (the "fn" variant: no infinities, 0x7f / 0xff NaN) to float32, exact. */
+float pd_e4m3_to_f32(uint8_t b);
+/* float32 to e4m3, rounded to nearest even and saturated to +-448 (torch's .to(float8_e4m3fn)
+ * of a value already clamped to that range); NaN stays NaN. */
+uint8_t pd_f32_to_e4m3(float f);
 uint16_t pd_f32_to_f16(float f);
 
 /* Converts n elements of type t at src into float32 at dst. t must be F32, F16 or BF16. */
