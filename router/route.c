@@ -22,7 +22,7 @@
 #include "router.h"
 
 #define MAX_ATTEMPTS 4
-#define NO_NODE_GRACE_MS 5000 /* a new request waits this long for a node to (re)appear */
+#define NO_NODE_GRACE_MS 5000 /* a request (or its retry) waits this long for a node to (re)appear */
 
 void route_init(router *r) {
   pd_map_init(&r->subs_by_wire, 0, PD_MAP_COPY_KEYS);
@@ -181,6 +181,7 @@ static void retry(router *r, rsub *s, const char *why) {
          s->n_gen > 0 ? "migrating" : "retrying", s->n_gen);
   set_wire_id(r, s);
   s->state = SUB_QUEUED;
+  s->t_enqueued = pd_now_ms(); /* its wait for a node counts from here */
   q_push(r, s, true);
 }
 
@@ -346,14 +347,15 @@ static int dispatch_one(router *r, rsub *s) {
   bool have_d = !need_d || registry_count(r, PD__ROLE__ROLE_DECODE, true) > 0;
   if (!have_p || !have_d) {
     const char *missing = !have_p ? "prefill" : "decode";
-    if (s->attempt > 0 || s->n_gen > 0) {
-      route_sub_fail(r, s, PD__ERROR_CODE__ERROR_CODE_NODE_FAILED,
-                     "no %s node is left to continue the request", missing);
-      return -1;
-    }
+    /* A retry or migration waits as a new request does: the node that failed it is often
+     * coming back (a restart registers again within a second) */
     if (now - s->t_enqueued > NO_NODE_GRACE_MS) {
-      route_sub_fail(r, s, PD__ERROR_CODE__ERROR_CODE_OVERLOADED, "no %s node is available",
-                     missing);
+      if (s->attempt > 0 || s->n_gen > 0)
+        route_sub_fail(r, s, PD__ERROR_CODE__ERROR_CODE_NODE_FAILED,
+                       "no %s node is left to continue the request", missing);
+      else
+        route_sub_fail(r, s, PD__ERROR_CODE__ERROR_CODE_OVERLOADED, "no %s node is available",
+                       missing);
       return -1;
     }
     return 0;
