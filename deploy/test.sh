@@ -3,7 +3,7 @@
 # a GPU), then an ASan+UBSan build of the unit, golden and integration tests, then the fuzz
 # targets (tests/fuzz: clang-14, libFuzzer, ASan+UBSan, in build-fuzz), each run for a bounded
 # time. It installs what the tests need (apt: the build dependencies, promtool, clang-14 and
-# libfuzzer-14-dev; pip: tests/integration/requirements.txt, pinned, into build/pyenv), prints a
+# libfuzzer-14-dev, docker.io, docker-compose and debootstrap; pip: tests/integration/requirements.txt, pinned, into build/pyenv), prints a
 # line of counts after each run, and exits non-zero when a test failed, a test other than the
 # gpu ones was skipped, or a fuzz target found a crash, leak, hang or sanitizer report.
 #   deploy/test.sh [--no-sanitize] [--fuzz-seconds N]   (N per target, default 60; 0: no fuzzing)
@@ -46,6 +46,17 @@ if [ "$fuzz_secs" != 0 ] && ! { command -v clang-14 > /dev/null &&
   $SUDO apt-get install -y -qq --no-install-recommends clang-14 libfuzzer-14-dev > /dev/null 2>&1 ||
     { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends clang-14 \
         libfuzzer-14-dev > /dev/null; }
+fi
+# Docker (the daemon, docker-compose) and debootstrap for the image test (label docker), which
+# starts dockerd itself where none runs and makes its base images from Debian's packages
+if ! { command -v dockerd > /dev/null && command -v docker-compose > /dev/null &&
+       command -v debootstrap > /dev/null; }; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get install -y -qq --no-install-recommends docker.io docker-compose debootstrap \
+      > /dev/null 2>&1 ||
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends docker.io \
+        docker-compose debootstrap > /dev/null; }
 fi
 if [ ! -x build/pyenv/bin/python3 ]; then
   python3 -m venv build/pyenv

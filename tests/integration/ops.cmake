@@ -27,6 +27,15 @@ pd_add_py_test(test_deploy_files test_deploy_files.py 120
 pd_add_py_test(test_deploy_bundle test_deploy_bundle.py 120
                --repo ${PROJECT_SOURCE_DIR} --bin-dir ${PROJECT_BINARY_DIR})
 
+if(TARGET pdctl AND TARGET pd-router)
+  # The CPU image built (classic builder, base images from debootstrap) and the compose cluster
+  # run with host networking on 127.0.0.1: chat requests, a killed decode container restarted.
+  # Label docker (not in the sanitizer run); skipped only where no Docker daemon can start.
+  pd_add_py_test(test_deploy_docker test_deploy_docker.py 2400
+                 --repo ${PROJECT_SOURCE_DIR} --pdctl $<TARGET_FILE:pdctl>)
+  set_tests_properties(test_deploy_docker PROPERTIES LABELS docker RUN_SERIAL TRUE)
+endif()
+
 if(TARGET pdctl)
   # pdctl perplexity against the quantization tools' own perplexities (tests/data/quant).
   pd_add_py_test(test_pdctl_perplexity test_pdctl_perplexity.py 600

@@ -79,6 +79,10 @@ def check_compose(repo, flags):
     svcs = d.get("services", {})
     for s in ("router", "prefill", "decode"):
         check(s in svcs, "compose: no service %s" % s)
+    ov = load_yaml_docs(os.path.join(repo, "deploy", "docker-compose.override.yml"))[0]
+    check(set((ov.get("services") or {})) == {"router"},
+          "compose override: only the router's published ports")
+    override_ports = ((ov.get("services") or {}).get("router") or {}).get("ports") or []
     router_env = {k: str(v) for k, v in (svcs.get("router", {}).get("environment") or {}).items()}
     http_port = int(router_env.get("PD_PORT", "8000"))
     cluster_port = int(router_env.get("PD_CLUSTER_PORT", "5600"))
@@ -126,8 +130,8 @@ def check_compose(repo, flags):
             if role == "decode":
                 check(env.get("PD_KV_PORT") in exposed, "%s: KV port not exposed" % where)
             check(env.get("PD_METRICS_PORT") in exposed, "%s: metrics port not exposed" % where)
-        if role == "router":
-            published = [str(p) for p in s.get("ports", [])]
+        if role == "router":  # (published by docker-compose.override.yml)
+            published = [str(p) for p in s.get("ports", []) + override_ports]
             check(any(p.split(":")[-1] == str(http_port) for p in published),
                   "%s: HTTP port %d not published" % (where, http_port))
             check(str(cluster_port) in [str(p) for p in s.get("expose", [])] or
@@ -387,9 +391,17 @@ def check_dockerfiles(repo, bin_dir):
             if bin_dir and os.path.isfile(os.path.join(bin_dir, "router", "pd-router")):
                 check(os.path.isfile(os.path.join(bin_dir, sub, prog)),
                       "%s: %s/%s/%s was not built there" % (fname, bin_dir, sub, prog))
+        # the entrypoint is a file of the repository (no heredoc), and no `# syntax` line: the
+        # classic builder takes it as BuildKit does, and nothing must be pulled to parse it
+        check("COPY deploy/pd-entrypoint /usr/local/bin/pd-entrypoint" in text,
+              "%s: does not copy deploy/pd-entrypoint" % fname)
+        check(not re.search(r"<<-?\s*['\"]?\w+", text), "%s: a heredoc (the classic builder "
+              "has none)" % fname)
+        check(not re.match(r"\s*#\s*syntax\s*=", text), "%s: a # syntax line (pulls a frontend)"
+              % fname)
+        ep = open(os.path.join(repo, "deploy", "pd-entrypoint")).read()
         for role in ROLES:
-            check(re.search(r"\b%s\|" % role, text), "%s: the entrypoint does not know %s" %
-                  (fname, role))
+            check(re.search(r"\b%s\|" % role, ep), "deploy/pd-entrypoint does not know %s" % role)
         check("ENTRYPOINT" in text, "%s: no ENTRYPOINT" % fname)
         if fname == "Dockerfile":
             check(stages[0]["image"].startswith("debian:bookworm") and
