@@ -81,7 +81,6 @@ struct pd_engine {
   int32_t *h_meta; /* tokens, pos, slots, rows [B each], qstart [B + 1], ctx [B], bt [B, mbw] */
   size_t h_meta_n;
   double forward_s; /* wall time inside pd_engine_forward */
-  bool cold; /* the last pass ran a graphable shape op by op for the first time, or recorded it */
   pd_err pending; /* a recoverable backend failure of the pass in flight (ops.take_error) */
 };
 
@@ -92,7 +91,6 @@ static double now_s(void) {
 }
 
 double pd_engine_forward_seconds(const pd_engine *g) { return g->forward_s; }
-bool pd_engine_last_cold(const pd_engine *g) { return g->cold; }
 
 /* Collects the backend's recoverable failure, if any, into g->pending (the first one of the
  * pass is kept); true when the pass has one. */
@@ -642,13 +640,11 @@ static bool forward_graph(pd_engine *g, const pd_batch *b) {
       if (!gr) return false;
     }
     *gr = (eng_graph){.B = B, .M = M, .L = L, .mbw = mbw, .all_rows = all_rows};
-    g->cold = true;
     return false;
   }
 
   pd_backend *be = g->be;
   const bool record = !gr->exec; /* its second time: run it, then record it */
-  g->cold = record;
   const size_t need = (size_t)3 * M + L + 2 * (size_t)B + 1 + (size_t)B * mbw;
   /* the staging: the graph's own page-locked buffer (a new shape gets one where the backend
    * can upload from it inside the graph and the metadata is small: at most ENG_GRAPH_PINNED
@@ -736,7 +732,6 @@ pd_status pd_engine_submit(pd_engine *g, const pd_batch *b, pd_err *e) {
   if (st == PD_OK) st = validate_sampling(g, b, e);
   if (st != PD_OK) return st;
   bool done = false;
-  g->cold = false;
   if (g->use_graphs) done = forward_graph(g, b);
   if (!done) {
     upload_batch(g, b);

@@ -91,11 +91,10 @@ struct pd_sched {
   bool policy_step;                 /* this step's k came from the policy */
   double step_t0;                   /* when the step began */
   int step_tokens;                  /* tokens it emitted */
-  bool step_measured;               /* it counts for the policy (mostly decode, no cold pass) */
+  bool step_measured;               /* it counts for the policy (mostly decode) */
   int step_decoding;                /* decoding sequences in the step */
   uint64_t step_gen0;               /* generated_tokens before the step's emits */
   double propose_s;                 /* the step's proposing time */
-  bool propose_cold;                /* a draft pass of the step was cold (pd_engine_last_cold) */
   double acc_a, acc_r;              /* decayed accepted and rejected counts, all sequences */
   bool step_verifies;               /* this step verifies proposals */
   double eng_t0;                    /* engine seconds at the step's submit */
@@ -1138,7 +1137,6 @@ static pd_status draft_propose(pd_sched *s, int nc, pd_err *e) {
                   .edits = s->edits, .n_edits = n_edits, .sample_out = s->d_outs};
     st = pd_engine_forward(de, &b, s->d_logits, e);
     if (st != PD_OK) goto out;
-    if (pd_engine_last_cold(de)) s->propose_cold = true;
     s->st.spec_draft_steps++;
     for (int j = 0; j < ns; j++) {
       bool has_row = s->d_idx[j] >= 0;
@@ -1277,7 +1275,6 @@ static void probe_subset(pd_sched *s, int nc) {
 static pd_status propose(pd_sched *s, pd_err *e) {
   s->dq_used = 0;
   s->propose_s = 0;
-  s->propose_cold = false;
   s->policy_step = false;
   int nc = 0, n_decode = 0;
   for (int i = 0; i < s->running.n; i++) {
@@ -1534,9 +1531,6 @@ static pd_status step_end(pd_sched *s, pd_err *e) {
   const int ns = s->n_sched;
   pd_status st = pd_engine_finish(s->eng, &s->batch, s->logits, e);
   if (st != PD_OK) return st;
-  /* a step that ran a new shape op by op, or recorded its graph, is no measure of its k: the
-   * next steps of that shape replay (a challenger would otherwise lose on its first steps) */
-  if (pd_engine_last_cold(s->eng) || s->propose_cold) s->step_measured = false;
   s->st.steps++;
   s->st.batched_tokens += (uint64_t)s->batch.n_tokens;
   if (s->step_verifies) {

@@ -84,9 +84,6 @@ void pd_engine_graph_stats(const pd_engine *eng, uint64_t *replays, int *n_graph
 /* Wall-clock seconds spent inside pd_engine_forward so far (uploads, the model, sampling,
  * waiting for the device), for benchmarks that separate engine time from scheduler time. */
 double pd_engine_forward_seconds(const pd_engine *eng);
-/* Whether the last pass was not the steady state of its shape: a shape graphs could serve run op
- * by op for the first time, or recorded (a measurement of step times should leave it out). */
-bool pd_engine_last_cold(const pd_engine *eng);
 
 /* Runs the batch; writes logits [n_logits, vocab_size] (host, f32). The batch is validated
  * (sizes within the engine's limits, ids in the vocabulary, slots and block ids in the pool,
