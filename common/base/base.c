@@ -160,24 +160,22 @@ float pd_e4m3_to_f32(uint8_t b) {
 }
 
 uint8_t pd_f32_to_e4m3(float f) {
-  if (f != f) return 0x7f;
-  const uint8_t sign = signbit(f) ? 0x80 : 0;
-  float a = fabsf(f);
-  if (a >= 448.0f) return sign | 0x7e; /* saturated */
-  if (a < 0x1p-6f) { /* subnormal: multiples of 2^-9, nearest even */
-    float q = nearbyintf(a * 512.0f); /* default rounding mode: to nearest even */
-    return sign | (uint8_t)q;         /* (8 = 2^-6 is the smallest normal: 0x08) */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7f;              /* NaN */
+  if (a >= 0x43e00000u) return sign | 0x7e;      /* >= 448: saturated */
+  if (a < 0x3c800000u) {                         /* below 2^-6: multiples of 2^-9 */
+    float v;
+    memcpy(&v, &a, 4);
+    v = (v * 512.0f + 0x1p23f) - 0x1p23f;        /* exact scaling, then nearest even */
+    return sign | (uint8_t)v;                    /* (8 is 2^-6, the smallest normal) */
   }
-  int e;
-  float m = frexpf(a, &e);            /* a = m * 2^e, m in [0.5, 1) */
-  float q = nearbyintf(m * 16.0f);    /* 8..16: 1.mmm with 3 fraction bits */
-  if (q >= 16.0f) {
-    q = 8.0f;
-    e++;
-  }
-  const int be = e - 1 + 7; /* biased exponent of 1.mmm * 2^(e-1) */
-  if (be > 15 || (be == 15 && q - 8.0f > 6.0f)) return sign | 0x7e;
-  return sign | (uint8_t)(be << 3) | (uint8_t)(q - 8.0f);
+  /* normal: keep 3 fraction bits, nearest even at bit 20, and rebias 127 -> 7 */
+  uint32_t r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+  r -= 120u << 3;
+  return sign | (uint8_t)(r > 0x7e ? 0x7e : r);
 }
 
 float pd_f16_to_f32(uint16_t h) {

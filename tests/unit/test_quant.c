@@ -258,6 +258,33 @@ int main(int argc, char **argv) {
   CHECK(pd_f32_to_e4m3(1000.0f) == 0x7e && pd_f32_to_e4m3(-1e9f) == 0xfe);
   CHECK(pd_f32_to_e4m3(1.0625f) == 0x38 && pd_f32_to_e4m3(1.1875f) == 0x3a); /* ties to even */
   CHECK(pd_f32_to_e4m3(0x1p-10f) == 0x00 && pd_f32_to_e4m3(0x1.8p-10f) == 0x01);
+  /* against the nearest value by search (ties to the even code), over magnitudes 2^-20..2^10
+   * and every midpoint */
+  uint32_t seed = 12345;
+  int bad = 0;
+  for (int i = 0; i < 200000 && bad < 5; i++) {
+    seed = seed * 1664525u + 1013904223u;
+    float f = ldexpf((float)(seed >> 8) / 16777216.0f - 0.5f, (int)(seed % 31) - 20);
+    if (i % 5 == 0) {
+      const int c = (int)(seed % 0x7e);
+      f = 0.5f * (pd_e4m3_to_f32((uint8_t)c) + pd_e4m3_to_f32((uint8_t)(c + 1)));
+    }
+    const float a = fminf(fabsf(f), 448.0f);
+    int best = 0;
+    float bd = INFINITY;
+    for (int c = 0; c < 0x7f; c++) {
+      const float d = fabsf(pd_e4m3_to_f32((uint8_t)c) - a);
+      if (d < bd || (d == bd && !(c & 1))) {
+        bd = d;
+        best = c;
+      }
+    }
+    const uint8_t want = (uint8_t)((signbit(f) ? 0x80 : 0) | best), got = pd_f32_to_e4m3(f);
+    if (got != want && f != 0.0f) {
+      CHECKF(0, "e4m3 of %.9g: %#x, nearest %#x", f, got, want);
+      bad++;
+    }
+  }
   refused("{\"quant_method\":\"bitsandbytes\"}", "'bitsandbytes' is not supported");
   refused("{\"quant_method\":\"gptq\",\"bits\":8,\"group_size\":128}", "8 is not supported");
   refused("{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":16}", "group_size 16");
