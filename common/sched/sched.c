@@ -1029,6 +1029,31 @@ static int seq_cap(const pd_sched *s, const sseq *q, int k) {
   return j;
 }
 
+/* Sequence j of the draft's batch: n tokens of q's draft context from its computed count, at
+ * row nt; d_idx[j] = idx (the candidate; negative for a chunk without a logits row). Returns
+ * its draft block count. */
+static int d_put(pd_sched *s, const sseq *q, int j, int nt, int n, int idx) {
+  const int c = pd_kv_seq_num_computed(q->dkv);
+  memcpy(s->d_tokens + nt, pd_kv_seq_tokens(q->dkv) + c, (size_t)n * sizeof(int32_t));
+  for (int k = 0; k < n; k++) s->d_pos[nt + k] = c + k;
+  s->d_qstart[j] = nt;
+  s->d_ctx[j] = c + n;
+  s->d_idx[j] = idx;
+  return pd_kv_seq_num_blocks(q->dkv);
+}
+
+/* The draft batch's ns block tables, mb wide (candidate cand[d_idx[j]], or -1 - d_idx[j]). */
+static void d_tables(pd_sched *s, int ns, int mb) {
+  for (int j = 0; j < ns; j++) {
+    const int i = s->d_idx[j] >= 0 ? s->d_idx[j] : -1 - s->d_idx[j];
+    const pd_kv_seq *kv = s->cand[i]->dkv;
+    const int nb = pd_kv_seq_num_blocks(kv);
+    int32_t *bt = s->d_bt + (size_t)j * mb;
+    memcpy(bt, pd_kv_seq_block_table(kv), (size_t)nb * sizeof *bt);
+    for (int b = nb; b < mb; b++) bt[b] = 0;
+  }
+}
+
 /* The draft model proposes: for each candidate i up to plan[i] tokens, the candidates
  * together, one draft forward per token (the first also computes the draft KV of context it
  * has not seen). Proposals are drawn as the target's sampler would (penalties, bias,
@@ -1085,14 +1110,8 @@ static pd_status draft_propose(pd_sched *s, int nc, pd_err *e) {
         continue;
       }
       if (st != PD_OK) goto out;
-      int c = pd_kv_seq_num_computed(q->dkv);
-      const int32_t *toks = pd_kv_seq_tokens(q->dkv);
-      memcpy(s->d_tokens + nt, toks + c, (size_t)n * sizeof(int32_t));
-      for (int j = 0; j < n; j++) s->d_pos[nt + j] = c + j;
-      s->d_qstart[ns] = nt;
-      s->d_ctx[ns] = c + n;
-      s->d_idx[ns] = n == need ? i : -1 - i; /* negative: a chunk of catch-up, no row */
-      int nb = pd_kv_seq_num_blocks(q->dkv);
+      /* (a chunk of catch-up that does not end it has no row) */
+      int nb = d_put(s, q, ns, nt, n, n == need ? i : -1 - i);
       if (nb > mb) mb = nb;
       nt += n;
       budget -= n;
@@ -1100,14 +1119,7 @@ static pd_status draft_propose(pd_sched *s, int nc, pd_err *e) {
     }
     if (ns == 0) break;
     s->d_qstart[ns] = nt;
-    for (int j = 0; j < ns; j++) {
-      int i = s->d_idx[j] >= 0 ? s->d_idx[j] : -1 - s->d_idx[j];
-      const pd_kv_seq *kv = s->cand[i]->dkv;
-      int nb = pd_kv_seq_num_blocks(kv);
-      int32_t *bt = s->d_bt + (size_t)j * mb;
-      memcpy(bt, pd_kv_seq_block_table(kv), (size_t)nb * sizeof *bt);
-      for (int b = nb; b < mb; b++) bt[b] = 0;
-    }
+    d_tables(s, ns, mb);
     /* (the draft pool shares blocks only through its prefix cache) */
     if ((st = apply_copies(dp, de, e)) != PD_OK) goto out;
     /* a row per sequence whose catch-up is complete: greedy ones drawn on the device where the
@@ -1212,13 +1224,7 @@ static pd_status draft_prefill(pd_sched *s, pd_err *e) {
         continue;
       }
       if (st != PD_OK) return st;
-      int c = pd_kv_seq_num_computed(q->dkv);
-      memcpy(s->d_tokens + nt, pd_kv_seq_tokens(q->dkv) + c, (size_t)n * sizeof(int32_t));
-      for (int j = 0; j < n; j++) s->d_pos[nt + j] = c + j;
-      s->d_qstart[ns] = nt;
-      s->d_ctx[ns] = c + n;
-      s->d_idx[ns] = i;
-      int nb = pd_kv_seq_num_blocks(q->dkv);
+      int nb = d_put(s, q, ns, nt, n, i);
       if (nb > mb) mb = nb;
       nt += n;
       budget -= n;
@@ -1226,13 +1232,7 @@ static pd_status draft_prefill(pd_sched *s, pd_err *e) {
     }
     if (ns == 0) break;
     s->d_qstart[ns] = nt;
-    for (int j = 0; j < ns; j++) {
-      const pd_kv_seq *kv = s->cand[s->d_idx[j]]->dkv;
-      int nb = pd_kv_seq_num_blocks(kv);
-      int32_t *bt = s->d_bt + (size_t)j * mb;
-      memcpy(bt, pd_kv_seq_block_table(kv), (size_t)nb * sizeof *bt);
-      for (int b = nb; b < mb; b++) bt[b] = 0;
-    }
+    d_tables(s, ns, mb);
     if ((st = apply_copies(dp, de, e)) != PD_OK) return st;
     pd_batch b = {.n_tokens = nt, .tokens = s->d_tokens, .positions = s->d_pos,
                   .slots = s->d_slots, .n_seqs = ns, .q_start = s->d_qstart, .ctx_len = s->d_ctx,

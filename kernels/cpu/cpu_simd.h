@@ -390,26 +390,6 @@ AI void gq_rows(float *y, const float *xp, const uint8_t *w, const float *bias, 
   for (; n < n1; n++) gq_block(y, xp, w, bias, M, 1, N, K, n);
 }
 
-/* As gv_dt: passes of at most four x rows over blocks of GV_NB W rows, so that the passes after
- * the first read the block from L2. */
-static void gv_q4(float *y, const float *xp, const void *w, const float *bias, int M, int N,
-                  int K, int n0_, int n1_) {
-  for (int n0 = n0_; n0 < n1_; n0 += GV_NB) {
-    const int n1 = n1_ - n0 < GV_NB ? n1_ : n0 + GV_NB;
-    for (int m0 = 0; m0 < M; m0 += 4) {
-      int mp = M - m0 < 4 ? M - m0 : 4;
-      float *ym = y + (size_t)m0 * N;
-      const float *xm = xp + (size_t)m0 * K;
-      switch (mp) {
-      case 1: gq_rows(ym, xm, w, bias, 1, GV_R1, N, K, n0, n1); break;
-      case 2: gq_rows(ym, xm, w, bias, 2, GV_R2, N, K, n0, n1); break;
-      case 3: gq_rows(ym, xm, w, bias, 3, GV_R3, N, K, n0, n1); break;
-      default: gq_rows(ym, xm, w, bias, 4, GV_R4, N, K, n0, n1); break;
-      }
-    }
-  }
-}
-
 /* The GEMM's panel of 4-bit W: rows [n0, n0 + nv), depth [k0, k0 + kc), dequantized. */
 static void mm_pack_q4(float *pw, const void *w, int K, int n0, int nv, int k0, int kc) {
   const size_t rb = q4_row_bytes(K);
@@ -478,8 +458,17 @@ AI void gf_rows(float *y, const float *x, const uint8_t *w, const float *bias, i
   for (; n < n1; n++) gf_block(y, x, w, bias, M, 1, N, K, n);
 }
 
-static void gv_f8(float *y, const float *x, const void *w, const float *bias, int M, int N, int K,
-                  int n0_, int n1_) {
+/* GEMV over W rows of a packed form (dt: PD_DTYPE_Q4, or FP8 for both F8W and F8WA), as gv_dt:
+ * passes of at most four x rows over blocks of GV_NB W rows, so that the passes after the first
+ * read the block from L2. */
+AI void gp_rows(float *y, const float *x, const uint8_t *w, pd_dtype dt, const float *bias, int M,
+                int R, int N, int K, int n0, int n1) {
+  if (dt == PD_DTYPE_Q4) gq_rows(y, x, w, bias, M, R, N, K, n0, n1);
+  else gf_rows(y, x, w, bias, M, R, N, K, n0, n1);
+}
+
+AI void gv_packed(float *y, const float *x, const void *w, pd_dtype dt, const float *bias, int M,
+                  int N, int K, int n0_, int n1_) {
   for (int n0 = n0_; n0 < n1_; n0 += GV_NB) {
     const int n1 = n1_ - n0 < GV_NB ? n1_ : n0 + GV_NB;
     for (int m0 = 0; m0 < M; m0 += 4) {
@@ -487,10 +476,10 @@ static void gv_f8(float *y, const float *x, const void *w, const float *bias, in
       float *ym = y + (size_t)m0 * N;
       const float *xm = x + (size_t)m0 * K;
       switch (mp) {
-      case 1: gf_rows(ym, xm, w, bias, 1, GV_R1, N, K, n0, n1); break;
-      case 2: gf_rows(ym, xm, w, bias, 2, GV_R2, N, K, n0, n1); break;
-      case 3: gf_rows(ym, xm, w, bias, 3, GV_R3, N, K, n0, n1); break;
-      default: gf_rows(ym, xm, w, bias, 4, GV_R4, N, K, n0, n1); break;
+      case 1: gp_rows(ym, xm, w, dt, bias, 1, GV_R1, N, K, n0, n1); break;
+      case 2: gp_rows(ym, xm, w, dt, bias, 2, GV_R2, N, K, n0, n1); break;
+      case 3: gp_rows(ym, xm, w, dt, bias, 3, GV_R3, N, K, n0, n1); break;
+      default: gp_rows(ym, xm, w, dt, bias, 4, GV_R4, N, K, n0, n1); break;
       }
     }
   }
@@ -515,8 +504,8 @@ static void k_gemv(float *y, const float *xp, const void *w, pd_dtype wdt, const
                    int M, int N, int K, int n0, int n1) {
   switch (wdt) {
   case PD_DTYPE_F8W:
-  case PD_DTYPE_F8WA: gv_f8(y, xp, w, bias, M, N, K, n0, n1); break;
-  case PD_DTYPE_Q4: gv_q4(y, xp, w, bias, M, N, K, n0, n1); break;
+  case PD_DTYPE_F8WA: gv_packed(y, xp, w, PD_DTYPE_F8W, bias, M, N, K, n0, n1); break;
+  case PD_DTYPE_Q4: gv_packed(y, xp, w, PD_DTYPE_Q4, bias, M, N, K, n0, n1); break;
   case PD_DTYPE_BF16: gv_dt(y, xp, w, PD_DTYPE_BF16, bias, M, N, K, n0, n1); break;
   case PD_DTYPE_F16: gv_dt(y, xp, w, PD_DTYPE_F16, bias, M, N, K, n0, n1); break;
   default: gv_dt(y, xp, w, PD_DTYPE_F32, bias, M, N, K, n0, n1); break;

@@ -25,8 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_pdctl_common import http  # noqa: E402
 
 SKIP = 77
 PROJECT = "pdtest"
@@ -107,18 +108,6 @@ def override(secrets):
     doc["services"]["prefill"]["healthcheck"] = health(p["pm"])
     doc["services"]["decode"]["healthcheck"] = health(p["dm"])
     return doc
-
-
-def http(url, body=None, timeout=60):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except (urllib.error.URLError, OSError):
-        return None, b""
 
 
 def chat(i):

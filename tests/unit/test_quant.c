@@ -25,27 +25,10 @@
 
 static char g_data[1024];
 
-static char *slurp(const char *path, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  char *b = malloc((size_t)n + 1);
-  if (b && fread(b, 1, (size_t)n, f) != (size_t)n) {
-    free(b);
-    b = NULL;
-  }
-  if (b) b[n] = 0;
-  if (len) *len = (size_t)n;
-  fclose(f);
-  return b;
-}
-
 static cJSON *load_json(const char *dir, const char *name) {
   char p[4200];
   snprintf(p, sizeof p, "%s/%s", dir, name);
-  char *t = slurp(p, NULL);
+  char *t = pd_test_read_file(p, NULL);
   REQUIRE(t);
   cJSON *j = cJSON_Parse(t);
   free(t);
@@ -115,7 +98,7 @@ static void test_model_dir(const char *dir) {
              dense ? cJSON_GetObjectItem(cJSON_GetArrayItem(dense, ci), "file")->valuestring
                    : cJSON_GetObjectItem(c, "last_logits_file")->valuestring);
     size_t len = 0;
-    char *raw = slurp(p, &len);
+    char *raw = pd_test_read_file(p, &len);
     REQUIRE(raw && len == (size_t)V * 4);
     memcpy(rl, raw, len);
     free(raw);
