@@ -213,6 +213,27 @@ AI void gv_load2(const void *w, size_t i, pd_dtype dt, vf *lo, vf *hi) {
   }
 }
 
+/* The end of a GEMV block: y[m, n + r] = sum of acc[m * R + r] (times rs[r] where rs is given:
+ * a row scale), plus bias. */
+AI void gv_finish(float *y, const vf *acc, const float *bias, const float *rs, int M, int R,
+                  int N, int n) {
+  float s[16];
+  int f = 0;
+#pragma GCC unroll 4
+  for (; f + 4 <= M * R; f += 4) v_hsum4(acc[f], acc[f + 1], acc[f + 2], acc[f + 3], s + f);
+#pragma GCC unroll 4
+  for (; f < M * R; f++) s[f] = V_HSUM(acc[f]);
+#pragma GCC unroll 8
+  for (int m = 0; m < M; m++) {
+    float *yr = y + (size_t)m * N + n;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      const float v = rs ? s[m * R + r] * rs[r] : s[m * R + r];
+      yr[r] = bias ? v + bias[n + r] : v;
+    }
+  }
+}
+
 /* y[m, n + r] for m < M, r < R (both compile-time, M * R <= 16). xp rows and W rows have K
  * elements. */
 AI void gv_block(float *y, const float *xp, const void *w, pd_dtype dt, const float *bias, int M,
@@ -254,18 +275,7 @@ AI void gv_block(float *y, const float *xp, const void *w, pd_dtype dt, const fl
       }
     }
   }
-  float s[16];
-  int f = 0;
-#pragma GCC unroll 4
-  for (; f + 4 <= M * R; f += 4) v_hsum4(acc[f], acc[f + 1], acc[f + 2], acc[f + 3], s + f);
-#pragma GCC unroll 4
-  for (; f < M * R; f++) s[f] = V_HSUM(acc[f]);
-#pragma GCC unroll 8
-  for (int m = 0; m < M; m++) {
-    float *yr = y + (size_t)m * N + n;
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) yr[r] = bias ? s[m * R + r] + bias[n + r] : s[m * R + r];
-  }
+  gv_finish(y, acc, bias, NULL, M, R, N, n);
 }
 
 /* Rows [n0, n1) for x rows [0, M) (one pass of at most 4), W dtype fixed. */
@@ -369,18 +379,7 @@ AI void gq_block(float *y, const float *xp, const uint8_t *w, const float *bias,
       }
     }
   }
-  float s[16];
-  int f = 0;
-#pragma GCC unroll 4
-  for (; f + 4 <= M * R; f += 4) v_hsum4(acc[f], acc[f + 1], acc[f + 2], acc[f + 3], s + f);
-#pragma GCC unroll 4
-  for (; f < M * R; f++) s[f] = V_HSUM(acc[f]);
-#pragma GCC unroll 8
-  for (int m = 0; m < M; m++) {
-    float *yr = y + (size_t)m * N + n;
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) yr[r] = bias ? s[m * R + r] + bias[n + r] : s[m * R + r];
-  }
+  gv_finish(y, acc, bias, NULL, M, R, N, n);
 }
 
 AI void gq_rows(float *y, const float *xp, const uint8_t *w, const float *bias, int M, int R,
@@ -433,22 +432,10 @@ AI void gf_block(float *y, const float *x, const uint8_t *w, const float *bias, 
         acc[m * R + r] = V_FMA(wv, V_LOAD(x + (size_t)m * K + k), acc[m * R + r]);
     }
   }
-  float s[16];
-  int f = 0;
-#pragma GCC unroll 4
-  for (; f + 4 <= M * R; f += 4) v_hsum4(acc[f], acc[f + 1], acc[f + 2], acc[f + 3], s + f);
-#pragma GCC unroll 4
-  for (; f < M * R; f++) s[f] = V_HSUM(acc[f]);
+  float sc[8];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; r++) {
-    float sc;
-    memcpy(&sc, w + (size_t)(n + r) * rb + K, 4);
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) {
-      const float v = s[m * R + r] * sc;
-      y[(size_t)m * N + n + r] = bias ? v + bias[n + r] : v;
-    }
-  }
+  for (int r = 0; r < R; r++) memcpy(&sc[r], w + (size_t)(n + r) * rb + K, 4);
+  gv_finish(y, acc, bias, sc, M, R, N, n);
 }
 
 AI void gf_rows(float *y, const float *x, const uint8_t *w, const float *bias, int M, int R,
