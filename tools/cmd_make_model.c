@@ -113,11 +113,12 @@ typedef enum mm_init {
   MM_INIT_BITS,
   MM_INIT_WORD,
   MM_INIT_CONST,
-  MM_INIT_GIDX
+  MM_INIT_GIDX,
+  MM_INIT_FP8
 } mm_init;
 
-/* --quantization: the published 4-bit layouts (docs/quantization.md) */
-typedef enum mm_quant { MM_Q_NONE, MM_Q_AWQ, MM_Q_GPTQ } mm_quant;
+/* --quantization: the published 4-bit layouts, and compressed-tensors FP8 (docs/quantization.md) */
+typedef enum mm_quant { MM_Q_NONE, MM_Q_AWQ, MM_Q_GPTQ, MM_Q_FP8 } mm_quant;
 
 typedef struct mm_tensor {
   char name[96];
@@ -201,6 +202,15 @@ static void mm_retype(mm_model *m, pd_dtype dt, mm_init init, float v, uint32_t 
 static void mm_linear(mm_model *m, float sd, int64_t out, int64_t in, const char *name) {
   if (m->quant == MM_Q_NONE) {
     mm_push(m, MM_INIT_NORMAL, sd, out, in, "%s.weight", name);
+    return;
+  }
+  if (m->quant == MM_Q_FP8) { /* llm-compressor FP8_DYNAMIC: e4m3 values of N(0, 16^2), a
+                                 * per-channel bf16 scale sd / 16 */
+    mm_push(m, MM_INIT_NORMAL, 0, out, in, "%s.weight", name);
+    mm_retype(m, PD_DTYPE_F8_E4M3, MM_INIT_FP8, 16.0f, 0);
+    mm_push(m, MM_INIT_NORMAL, 0, out, 1, "%s.weight_scale", name);
+    mm_retype(m, PD_DTYPE_BF16, MM_INIT_CONST, sd / 16.0f, 0);
+    m->params += (uint64_t)out * (uint64_t)in;
     return;
   }
   const int64_t g = m->group, ng = in / g;
@@ -385,8 +395,12 @@ static void mm_fill(const mm_tensor *t, pd_dtype dt, uint64_t seed, uint64_t e0,
     case MM_INIT_GIDX:
       for (uint64_t i = 0; i < n; i++) ((int32_t *)dst)[i] = (int32_t)((e0 + i) / t->word);
       return;
-    case MM_INIT_CONST:
-      for (uint64_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = pd_f32_to_f16(sd);
+    case MM_INIT_CONST: /* f16 (4-bit scales) or bf16 (FP8 scales) */
+      for (uint64_t i = 0; i < n; i++)
+        ((uint16_t *)dst)[i] = t->dt == PD_DTYPE_BF16 ? pd_f32_to_bf16(sd) : pd_f32_to_f16(sd);
+      return;
+    case MM_INIT_FP8:
+      for (uint64_t i = 0; i < n; i++) ((uint8_t *)dst)[i] = pd_f32_to_e4m3(sd * mm_normal(&r));
       return;
     default:
       break;
@@ -1062,7 +1076,29 @@ static cJSON *mm_config_json(const mm_model *m, int bos, const int *eos, int n_e
   cJSON_AddStringToObject(c, "torch_dtype", mm_torch_dtype(m->dtype));
   cJSON_AddBoolToObject(c, "use_cache", true);
   cJSON_AddNumberToObject(c, "vocab_size", m->vocab);
-  if (m->quant != MM_Q_NONE) { /* as AutoAWQ and GPTQModel write it */
+  if (m->quant == MM_Q_FP8) { /* as llm-compressor writes its FP8_DYNAMIC scheme */
+    cJSON *q = cJSON_AddObjectToObject(c, "quantization_config");
+    cJSON *g = cJSON_AddObjectToObject(cJSON_AddObjectToObject(q, "config_groups"), "group_0");
+    cJSON_AddStringToObject(g, "format", "float-quantized");
+    cJSON *in = cJSON_AddObjectToObject(g, "input_activations");
+    cJSON_AddBoolToObject(in, "dynamic", true);
+    cJSON_AddNumberToObject(in, "num_bits", 8);
+    cJSON_AddStringToObject(in, "strategy", "token");
+    cJSON_AddBoolToObject(in, "symmetric", true);
+    cJSON_AddStringToObject(in, "type", "float");
+    cJSON_AddItemToObject(g, "targets", cJSON_CreateStringArray((const char *[]){"Linear"}, 1));
+    cJSON *w = cJSON_AddObjectToObject(g, "weights");
+    cJSON_AddBoolToObject(w, "dynamic", false);
+    cJSON_AddNumberToObject(w, "num_bits", 8);
+    cJSON_AddStringToObject(w, "strategy", "channel");
+    cJSON_AddBoolToObject(w, "symmetric", true);
+    cJSON_AddStringToObject(w, "type", "float");
+    cJSON_AddStringToObject(q, "format", "float-quantized");
+    cJSON_AddItemToObject(q, "ignore", cJSON_CreateStringArray((const char *[]){"lm_head"}, 1));
+    cJSON_AddNullToObject(q, "kv_cache_scheme");
+    cJSON_AddStringToObject(q, "quant_method", "compressed-tensors");
+    cJSON_AddStringToObject(q, "quantization_status", "compressed");
+  } else if (m->quant != MM_Q_NONE) { /* as AutoAWQ and GPTQModel write it */
     cJSON *q = cJSON_AddObjectToObject(c, "quantization_config");
     cJSON_AddNumberToObject(q, "bits", 4);
     cJSON_AddNumberToObject(q, "group_size", m->group);
@@ -1238,8 +1274,9 @@ int cmd_make_model(int argc, char **argv) {
       {"head-dim", PD_OPT_INT, &head_dim, "N", "head_dim (default hidden / heads)", NULL},
       {"dtype", PD_OPT_STR, &dtype_s, "T", "bf16 (default), f16 or f32", NULL},
       {"quantization", PD_OPT_STR, &quant_s, "M",
-       "4-bit linear layers in a published layout: awq (AutoAWQ gemm) or gptq; embeddings, "
-       "norms and lm_head stay in --dtype", NULL},
+       "quantized linear layers in a published layout: awq (AutoAWQ gemm, 4-bit), gptq (4-bit) "
+       "or fp8 (compressed-tensors FP8_DYNAMIC); embeddings, norms and lm_head stay in --dtype",
+       NULL},
       {"group-size", PD_OPT_INT, &group, "G", "quantization group size (128)", NULL},
       {"seed", PD_OPT_U64, &seed, "S", "random seed (default 0)", NULL},
       {"threads", PD_OPT_INT, &threads, "N", "generator threads (default: all cores)", NULL},
@@ -1314,8 +1351,13 @@ int cmd_make_model(int argc, char **argv) {
   if (quant_s) {
     if (!strcmp(quant_s, "awq")) m.quant = MM_Q_AWQ;
     else if (!strcmp(quant_s, "gptq")) m.quant = MM_Q_GPTQ;
-    else return mm_fail("--quantization '%s' is not one of awq, gptq", quant_s);
-    if (group < 32 || group % 32 || m.hidden % group || m.ffn % group ||
+    else if (!strcmp(quant_s, "fp8")) m.quant = MM_Q_FP8;
+    else return mm_fail("--quantization '%s' is not one of awq, gptq, fp8", quant_s);
+    if (m.quant == MM_Q_FP8) {
+      if (m.hidden % 16 || m.ffn % 16 || ((int64_t)m.heads * m.head_dim) % 16)
+        return mm_fail("--quantization fp8: hidden %d, ffn %d and the attention width %d must "
+                       "be multiples of 16", m.hidden, m.ffn, m.heads * m.head_dim);
+    } else if (group < 32 || group % 32 || m.hidden % group || m.ffn % group ||
         ((int64_t)m.heads * m.head_dim) % group)
       return mm_fail("--group-size %d: a multiple of 32 dividing hidden %d, ffn %d and the "
                      "attention width %d", group, m.hidden, m.ffn, m.heads * m.head_dim);

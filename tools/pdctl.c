@@ -112,6 +112,7 @@ static void usage(void) {
         "  bench        serving benchmark against a running router (TTFT, TPOT, ITL)\n"
         "  keys         write the CURVE keypairs of a cluster (keys generate)\n"
         "  make-model   write a model folder with published shapes and random weights\n"
+        "  quantize     write an FP8 or 4-bit compressed-tensors checkpoint of a float model\n"
         "  devices      the CPU kernel family and the CUDA devices this build can use\n\n"
         "Run 'pdctl <command> --help' for the options of a command.\n",
         stderr);
@@ -129,6 +130,7 @@ int main(int argc, char **argv) {
   if (!strcmp(cmd, "bench-model")) return cmd_bench_model(argc, argv);
   if (!strcmp(cmd, "perplexity")) return cmd_perplexity(argc, argv);
   if (!strcmp(cmd, "make-model")) return cmd_make_model(argc, argv);
+  if (!strcmp(cmd, "quantize")) return cmd_quantize(argc, argv);
   if (!strcmp(cmd, "devices")) return cmd_devices(argc, argv);
 #ifdef PD_HAVE_NET
   if (!strcmp(cmd, "cluster")) return cmd_cluster(argc, argv);

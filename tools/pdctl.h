@@ -17,6 +17,7 @@ int cmd_tokenize(int argc, char **argv);
 int cmd_bench_model(int argc, char **argv);
 int cmd_perplexity(int argc, char **argv); /* cmd_perplexity.c: sliding-window perplexity */
 int cmd_make_model(int argc, char **argv); /* cmd_make_model.c: random-weight model folders */
+int cmd_quantize(int argc, char **argv);   /* cmd_quantize.c: compressed-tensors FP8 / 4-bit */
 int cmd_devices(int argc, char **argv);    /* cmd_devices.c: CPU kernels, CUDA devices */
 #ifdef PD_HAVE_NET
 int cmd_cluster(int argc, char **argv); /* cmd_cluster.c: up, status, down */

@@ -2,6 +2,8 @@
  * reads, checks its dtype and exact shape against config.json, and points pd_weight at the
  * mapping (nothing is copied). Tensor names are those of transformers' state dicts. */
 #include <math.h>
+#include <pthread.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -384,8 +386,105 @@ static pd_status mdl_weights(pd_model *m, pd_err *e) {
   return PD_OK;
 }
 
+/* ---- --quantization fp8 ------------------------------------------------------------------ */
+
+/* One linear layer's float rows as F8WA rows (malloc'ed): each row's e4m3 values of w / s and
+ * s = max|row| / 448 (1 for a zero row), as llm-compressor's FP8 channel scheme computes them. */
+static void *mdl_fp8_rows(const pd_weight *w) {
+  const int64_t N = w->rows, K = w->cols;
+  const size_t rb = pd_dtype_row_bytes(PD_DTYPE_F8WA, K), es = pd_dtype_size(w->dtype);
+  uint8_t *out = malloc((size_t)N * rb);
+  float *row = malloc((size_t)K * sizeof *row);
+  if (!out || !row) {
+    free(out);
+    free(row);
+    return NULL;
+  }
+  for (int64_t n = 0; n < N; n++) {
+    pd_convert_to_f32(row, (const char *)w->data + (size_t)n * K * es, w->dtype, (size_t)K);
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+    const float sc = amax > 0.0f && isfinite(amax) ? amax / 448.0f : 1.0f;
+    uint8_t *o = out + (size_t)n * rb;
+    for (int64_t k = 0; k < K; k++) o[k] = pd_f32_to_e4m3(row[k] / sc);
+    memcpy(o + K, &sc, 4);
+  }
+  free(row);
+  return out;
+}
+
+typedef struct fp8_job {
+  pd_model *m;
+  int first, step;
+  void **bufs; /* [num_layers * 7] */
+  bool failed;
+} fp8_job;
+
+static pd_weight *mdl_linears(pd_layer_weights *L, int i) {
+  pd_weight *all[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+  return all[i];
+}
+
+static void *fp8_worker(void *arg) {
+  fp8_job *j = arg;
+  for (int l = j->first; l < j->m->cfg.num_layers; l += j->step)
+    for (int i = 0; i < 7; i++) {
+      void *b = mdl_fp8_rows(mdl_linears(&j->m->layers[l], i));
+      if (!b) j->failed = true;
+      j->bufs[(size_t)l * 7 + i] = b;
+    }
+  return NULL;
+}
+
+static pd_status mdl_quantize_fp8(pd_model *m, pd_err *e) {
+  const pd_model_config *c = &m->cfg;
+  if (c->quant.method != PD_QUANT_NONE)
+    return pd_err_set(e, PD_EINVAL,
+                      "--quantization fp8: the checkpoint is quantized already (its "
+                      "quantization_config)");
+  if (c->hidden_size % 16 || c->intermediate_size % 16 || (c->num_heads * c->head_dim) % 16)
+    return pd_err_set(e, PD_EUNSUPPORTED,
+                      "--quantization fp8: the linear layers' input widths (%d, %d, %d) must be "
+                      "multiples of 16", c->hidden_size, c->intermediate_size,
+                      c->num_heads * c->head_dim);
+  const int L = c->num_layers;
+  void **bufs = calloc((size_t)L * 7, sizeof *bufs);
+  if (!bufs) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  long nt = sysconf(_SC_NPROCESSORS_ONLN);
+  if (nt < 1) nt = 1;
+  if (nt > 64) nt = 64;
+  if (nt > L) nt = L;
+  pthread_t th[64];
+  fp8_job jobs[64];
+  bool started[64] = {false};
+  for (int t = 0; t < nt; t++) jobs[t] = (fp8_job){m, t, (int)nt, bufs, false};
+  for (int t = 1; t < nt; t++) started[t] = pthread_create(&th[t], NULL, fp8_worker, &jobs[t]) == 0;
+  fp8_worker(&jobs[0]);
+  bool failed = jobs[0].failed;
+  for (int t = 1; t < nt; t++) {
+    if (started[t]) pthread_join(th[t], NULL);
+    else fp8_worker(&jobs[t]); /* (no thread: done here) */
+    failed |= jobs[t].failed;
+  }
+  pd_status s = PD_OK;
+  for (int l = 0; l < L; l++)
+    for (int i = 0; i < 7; i++) {
+      void *b = bufs[(size_t)l * 7 + i];
+      if (failed || s != PD_OK) {
+        free(b);
+        continue;
+      }
+      if ((s = mdl_own(m, b, e)) != PD_OK) continue; /* (mdl_own freed b) */
+      pd_weight *w = mdl_linears(&m->layers[l], i);
+      w->data = b;
+      w->dtype = PD_DTYPE_F8WA;
+    }
+  free(bufs);
+  if (failed && s == PD_OK) s = pd_err_set(e, PD_ENOMEM, "--quantization fp8: out of memory");
+  return s;
+}
+
 pd_model *pd_model_load(const char *dir, const pd_model_opts *o, pd_err *e) {
-  (void)o;
   pd_err local;
   if (!e) e = &local;
   if (!dir || !dir[0]) {
@@ -404,6 +503,7 @@ pd_model *pd_model_load(const char *dir, const pd_model_opts *o, pd_err *e) {
   } else if ((s = pd_model_config_load(dir, &m->cfg, e)) == PD_OK) {
     m->st = pd_st_open_dir(dir, e);
     s = m->st ? mdl_weights(m, e) : e->code;
+    if (s == PD_OK && o && o->quantize_fp8) s = mdl_quantize_fp8(m, e);
     if (s != PD_OK) pd_err_prefix(e, "loading model %s", dir);
   }
   if (s != PD_OK) {
@@ -411,6 +511,23 @@ pd_model *pd_model_load(const char *dir, const pd_model_opts *o, pd_err *e) {
     return NULL;
   }
   return m;
+}
+
+static size_t mdl_wbytes(const pd_weight *w) {
+  return w->data ? (size_t)w->rows * pd_dtype_row_bytes(w->dtype, w->cols) : 0;
+}
+
+size_t pd_model_weight_bytes(const pd_model *m) {
+  size_t n = mdl_wbytes(&m->tok_embeddings) + mdl_wbytes(&m->final_norm);
+  if (m->lm_head.data != m->tok_embeddings.data) n += mdl_wbytes(&m->lm_head);
+  for (int l = 0; l < m->cfg.num_layers; l++) {
+    const pd_layer_weights *L = &m->layers[l];
+    const pd_weight *all[] = {&L->attn_norm, &L->wq, &L->wk, &L->wv, &L->wo, &L->bq, &L->bk,
+                              &L->bv, &L->bo, &L->ffn_norm, &L->w_gate, &L->w_up, &L->w_down,
+                              &L->b_gate, &L->b_up, &L->b_down};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) n += mdl_wbytes(all[i]);
+  }
+  return n;
 }
 
 void pd_model_free(pd_model *m) {

@@ -36,6 +36,9 @@ int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap) {
        "at once, for machines shared with other busy processes)", NULL},
       {"kv-cache-dtype", PD_OPT_STR, &o->kv_cache_dtype, "T",
        "auto (f32 on CPU, bf16 on GPU), f32, bf16, f16", NULL},
+      {"quantization", PD_OPT_STR, &o->quantization, "M",
+       "quantize a float checkpoint's linear layers at load: fp8 (per-channel e4m3 weights, "
+       "dynamic per-token FP8 activations; default none)", NULL},
       {"gpu-memory-utilization", PD_OPT_DOUBLE, &o->gpu_memory_utilization, "F",
        "GPU: fraction of device memory for weights and KV cache (0.9)", NULL},
       {"block-size", PD_OPT_INT, &o->block_size, "N", "tokens per KV block (16)", NULL},
@@ -158,7 +161,14 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
                       "--max-batch-tokens and --max-seqs must be positive, the others not "
                       "negative");
   if (pd_runtime_spec_config(o, &rt->spec, e) != PD_OK) return e ? e->code : PD_EINVAL;
-  rt->model = pd_model_load(o->model_dir, NULL, e);
+  pd_model_opts mo = {0};
+  if (o->quantization && strcmp(o->quantization, "none") != 0) {
+    if (strcmp(o->quantization, "fp8") != 0)
+      return pd_err_set(e, PD_EINVAL, "--quantization '%s': expected none or fp8",
+                        o->quantization);
+    mo.quantize_fp8 = true;
+  }
+  rt->model = pd_model_load(o->model_dir, &mo, e);
   if (!rt->model) return e ? e->code : PD_EINVAL;
   rt->tok = pd_tokenizer_load(o->model_dir, e);
   if (!rt->tok) goto fail;
@@ -229,6 +239,16 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
     size_t free_b = 0, total_b = 0, weights = 0;
     rt->be->ops.mem_info(rt->be, &free_b, &total_b);
     for (size_t i = 0; i < pd_st_count(rt->model->st); i++) weights += pd_st_at(rt->model->st, i)->nbytes;
+    const pd_dtype lw = rt->model->layers[0].wq.dtype;
+    if (lw == PD_DTYPE_Q4 || lw == PD_DTYPE_F8W || lw == PD_DTYPE_F8WA) {
+      /* the repacked rows, and the bf16 copy of the largest quantized W that products above
+       * the GEMV rows dequantize into (with the scratch's growth margin) */
+      size_t big = 2 * (size_t)c->intermediate_size * (size_t)c->hidden_size;
+      const size_t qkv = (size_t)(c->num_heads + 2 * c->num_kv_heads) * (size_t)c->head_dim *
+                         (size_t)c->hidden_size;
+      if (qkv > big) big = qkv;
+      weights = pd_model_weight_bytes(rt->model) + big * 2 * 5 / 4;
+    }
     size_t acts = (size_t)o->max_batch_tokens *
                   ((size_t)c->vocab_size + 10 * (size_t)c->hidden_size + 3 * (size_t)c->intermediate_size) *
                   sizeof(float);

@@ -40,6 +40,9 @@ if(TARGET pdctl)
   # pdctl perplexity against the quantization tools' own perplexities (tests/data/quant).
   pd_add_py_test(test_pdctl_perplexity test_pdctl_perplexity.py 600
                  --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR})
+  # pdctl quantize: FP8 and 4-bit compressed-tensors checkpoints, value by value and perplexity.
+  pd_add_py_test(test_pdctl_quantize test_pdctl_quantize.py 600
+                 --pdctl $<TARGET_FILE:pdctl> --repo ${PROJECT_SOURCE_DIR})
 endif()
 
 if(TARGET pdctl AND TARGET pdclient AND TARGET pd-router AND TARGET pd-prefill AND TARGET pd-decode)

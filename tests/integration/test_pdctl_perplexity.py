@@ -55,6 +55,22 @@ def main():
         if key == "quantized":
             q = r
 
+    # --quantization fp8 on the float model: llm-compressor's FP8_DYNAMIC scheme (per-channel
+    # e4m3 weights, dynamic per-token activations) computed at load, against the perplexity of
+    # the checkpoint the tool made from the same model with that scheme
+    with open(os.path.join(data, "quant", "pycoder-qwen2-4m-llmc-fp8-dynamic-q_proj",
+                           "reference.json")) as f:
+        want = json.load(f)["perplexity"]["quantized"]["ppl"]
+    r = run(a.pdctl, ["--model", base, "--ids-file", ids, "--context", "256", "--json",
+                      "--threads", "2", "--quantization", "fp8"])
+    check(abs(r["perplexity"] - want) <= 0.005 * want and r["tokens_scored"] == 65280,
+          "pycoder-qwen2-4m --quantization fp8: perplexity %.4f, llm-compressor FP8_DYNAMIC's "
+          "%.4f" % (r["perplexity"], want))
+    err = run(a.pdctl, ["--model", gptq, "--ids-file", ids, "--quantization", "fp8"], ok=False)
+    check("quantized already" in err, "--quantization fp8 on a GPTQ checkpoint: %s" % err)
+    err = run(a.pdctl, ["--model", base, "--ids-file", ids, "--quantization", "int2"], ok=False)
+    check("expected none or fp8" in err, "--quantization int2: %s" % err)
+
     with tempfile.TemporaryDirectory(prefix="pd-ppl-") as d:
         with open(ids) as f:
             first = json.load(f)["ids"][:2000]

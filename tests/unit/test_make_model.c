@@ -535,7 +535,7 @@ static void test_mistral_f16(void) {
 
 static void expect_fail(const char *needle, const char *first, ...);
 
-/* --quantization awq / gptq: the published 4-bit layouts (qweight, qzeros, scales, g_idx) that
+/* --quantization awq / gptq / fp8: the published 4-bit layouts (qweight, qzeros, scales, g_idx) that
  * the loader repacks, values around the zero point 8 with one f16 scale per layer; embeddings,
  * norms and lm_head in --dtype; a forward pass of finite, varying logits. */
 static void test_quantized(void) {
@@ -583,10 +583,41 @@ static void test_quantized(void) {
     check_forward(m);
     pd_model_free(m);
   }
+  /* fp8: compressed-tensors FP8_DYNAMIC (e4m3 weights, per-channel bf16 scales sd / 16) */
   char d[300];
+  snprintf(d, sizeof d, "%s/q-fp8", g_tmp);
+  int rc = run("--like", "llama3-8b", "--layers", "2", "--hidden", "128", "--heads", "4",
+               "--kv-heads", "2", "--ffn", "256", "--vocab", "300", "--quantization", "fp8",
+               "--out", d, NULL);
+  CHECKF(rc == 0, "%s", g_out);
+  pd_model *m = rc ? NULL : load(d);
+  if (m) {
+    CHECK(m->cfg.quant.method == PD_QUANT_CT_FP8 && m->cfg.quant.act_fp8_dynamic);
+    CHECK(m->lm_head.dtype == PD_DTYPE_BF16);
+    const pd_weight *w = &m->layers[1].w_down; /* [128 out, 256 in] */
+    CHECK(w->dtype == PD_DTYPE_F8WA && w->rows == 128 && w->cols == 256);
+    if (w->dtype == PD_DTYPE_F8WA) {
+      double s2 = 0;
+      int nan = 0;
+      float sc;
+      memcpy(&sc, (const uint8_t *)w->data + 256, 4);
+      for (int n = 0; n < 128; n++)
+        for (int i = 0; i < 256; i++) {
+          const uint8_t b = ((const uint8_t *)w->data)[(size_t)n * 260 + i];
+          nan += (b & 0x7f) == 0x7f;
+          s2 += (double)pd_e4m3_to_f32(b) * pd_e4m3_to_f32(b);
+        }
+      const double sd = sqrt(s2 / (128 * 256));
+      /* sigma(ffn 256) = 0.02 capped: values of standard deviation 16, scale 0.02 / 16 */
+      CHECKF(nan == 0 && sd > 15 && sd < 17 && fabsf(sc - pd_bf16_to_f32(pd_f32_to_bf16(0.02f / 16))) < 1e-9f,
+             "fp8: %d NaN, value sd %.2f, scale %g", nan, sd, sc);
+    }
+    check_forward(m);
+    pd_model_free(m);
+  }
   snprintf(d, sizeof d, "%s/q-bad", g_tmp);
-  expect_fail("--quantization 'fp8' is not one of awq, gptq", "--like", "pycoder-12m",
-              "--quantization", "fp8", "--out", d, NULL);
+  expect_fail("--quantization 'int3' is not one of awq, gptq, fp8", "--like", "pycoder-12m",
+              "--quantization", "int3", "--out", d, NULL);
   expect_fail("--group-size 48", "--like", "pycoder-12m", "--quantization", "awq",
               "--group-size", "48", "--out", d, NULL);
 }

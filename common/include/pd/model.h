@@ -120,7 +120,10 @@ typedef struct pd_model {
 } pd_model;
 
 typedef struct pd_model_opts {
-  int reserved;
+  /* --quantization fp8: a float checkpoint's linear layers quantized at load into
+   * PD_DTYPE_F8WA rows (per-channel e4m3 weights, scale max|row| / 448, and dynamic per-token
+   * FP8 activations); the embeddings and the LM head stay as they are */
+  bool quantize_fp8;
 } pd_model_opts;
 
 /* Loads config.json and maps the weights of dir; checks every tensor's presence, dtype
@@ -140,6 +143,9 @@ pd_status pd_model_quant_linear(const pd_st *st, const pd_quant_config *qc, cons
  * prefix.weight_scale (per channel or one) as PD_DTYPE_F8W rows (N * (K + 4) bytes). */
 pd_status pd_model_fp8_linear(const pd_st *st, const pd_quant_config *qc, const char *prefix,
                                int64_t N, int64_t K, void **rows, pd_err *e);
+/* Bytes of the weights as the engine places them (quantized layers in their repacked rows; a
+ * tied LM head counted once). */
+size_t pd_model_weight_bytes(const pd_model *m);
 void pd_model_free(pd_model *m);
 
 /* Fingerprint of a model folder for the router's compatibility check: XXH64 of config.json
