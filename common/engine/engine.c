@@ -264,12 +264,6 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
   g->kvs = (pd_kv_shape){g->o.num_blocks, g->o.block_size, g->nkv, g->hd, g->o.kv_dtype};
 
   /* weights */
-  if (c->quant.method != PD_QUANT_NONE && strcmp(be->ops.name, "cpu") != 0) {
-    pd_err_set(e, PD_EUNSUPPORTED,
-               "4-bit quantized weights run on the CPU backend only (the %s backend has no "
-               "4-bit kernels yet)", be->ops.name);
-    goto fail;
-  }
   g->tok_emb = place_weight(g, &m->tok_embeddings, NULL, e);
   g->lm_head = place_weight(g, &m->lm_head, NULL, e);
   g->lm_head_w = (pd_wdesc){m->lm_head.dtype, g->lm_head, g->V, g->D};

@@ -239,14 +239,14 @@ static pd_status mdl_own(pd_model *m, void *buf, pd_err *e) {
   return PD_OK;
 }
 
-/* The quantized weight prefix.* of a [N out, K in] linear layer as PD_DTYPE_Q4 rows, in a buffer
- * the model owns. */
+/* A 4-bit linear layer [N out, K in]: its PD_DTYPE_Q4 rows are made after every layer is
+ * parsed, all layers at once (mdl_make_rows); until then data is NULL. */
 static pd_status mdl_q4(pd_model *m, const char *prefix, int64_t N, int64_t K, pd_weight *w,
                         pd_err *e) {
-  void *buf;
-  TRY(pd_model_quant_linear(m->st, &m->cfg.quant, prefix, N, K, &buf, e));
-  TRY(mdl_own(m, buf, e));
-  w->data = buf;
+  (void)m;
+  (void)prefix;
+  (void)e;
+  w->data = NULL;
   w->dtype = PD_DTYPE_Q4;
   w->rows = N;
   w->cols = K;
@@ -371,6 +371,8 @@ static pd_status mdl_layer(pd_model *m, int l, pd_layer_weights *L, pd_err *e) {
   return PD_OK;
 }
 
+static pd_status mdl_make_rows(pd_model *m, bool fp8, pd_err *e);
+
 static pd_status mdl_weights(pd_model *m, pd_err *e) {
   const pd_model_config *c = &m->cfg;
   const int64_t V = c->vocab_size, D = c->hidden_size;
@@ -383,6 +385,8 @@ static pd_status mdl_weights(pd_model *m, pd_err *e) {
   m->layers = calloc((size_t)c->num_layers, sizeof *m->layers);
   if (!m->layers) return pd_err_set(e, PD_ENOMEM, "out of memory");
   for (int l = 0; l < c->num_layers; l++) TRY(mdl_layer(m, l, &m->layers[l], e));
+  if (c->quant.method != PD_QUANT_NONE && c->quant.method != PD_QUANT_CT_FP8)
+    TRY(mdl_make_rows(m, false, e));
   return PD_OK;
 }
 
@@ -413,27 +417,82 @@ static void *mdl_fp8_rows(const pd_weight *w) {
   return out;
 }
 
-typedef struct fp8_job {
-  pd_model *m;
-  int first, step;
-  void **bufs; /* [num_layers * 7] */
-  bool failed;
-} fp8_job;
-
 static pd_weight *mdl_linears(pd_layer_weights *L, int i) {
   pd_weight *all[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
   return all[i];
 }
+static const char *const mdl_linear_names[7] = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
 
-static void *fp8_worker(void *arg) {
-  fp8_job *j = arg;
-  for (int l = j->first; l < j->m->cfg.num_layers; l += j->step)
-    for (int i = 0; i < 7; i++) {
-      void *b = mdl_fp8_rows(mdl_linears(&j->m->layers[l], i));
-      if (!b) j->failed = true;
+/* The rows of every linear layer that needs them made (4-bit: repacked from the checkpoint's
+ * tensors; fp8: quantized from the float weights), on threads over the layers. */
+typedef struct rows_job {
+  pd_model *m;
+  bool fp8;
+  int first, step;
+  void **bufs;  /* [num_layers * 7]; NULL where nothing was made */
+  pd_err err;   /* the first failure of this thread */
+} rows_job;
+
+static void *rows_worker(void *arg) {
+  rows_job *j = arg;
+  for (int l = j->first; l < j->m->cfg.num_layers && !j->err.code; l += j->step)
+    for (int i = 0; i < 7 && !j->err.code; i++) {
+      const pd_weight *w = mdl_linears(&j->m->layers[l], i);
+      void *b = NULL;
+      if (j->fp8) {
+        if (!(b = mdl_fp8_rows(w))) pd_err_set(&j->err, PD_ENOMEM, "out of memory");
+      } else if (w->dtype == PD_DTYPE_Q4 && !w->data) {
+        char prefix[160];
+        snprintf(prefix, sizeof prefix, "model.layers.%d.%s", l, mdl_linear_names[i]);
+        pd_model_quant_linear(j->m->st, &j->m->cfg.quant, prefix, w->rows, w->cols, &b, &j->err);
+      }
       j->bufs[(size_t)l * 7 + i] = b;
     }
   return NULL;
+}
+
+static pd_status mdl_make_rows(pd_model *m, bool fp8, pd_err *e) {
+  const int L = m->cfg.num_layers;
+  if (L <= 0) return PD_OK;
+  void **bufs = calloc((size_t)L * 7, sizeof *bufs);
+  if (!bufs) return pd_err_set(e, PD_ENOMEM, "out of memory");
+  long nt = sysconf(_SC_NPROCESSORS_ONLN);
+  if (nt < 1) nt = 1;
+  if (nt > 64) nt = 64;
+  if (nt > L) nt = L;
+  pthread_t th[64];
+  rows_job jobs[64];
+  bool started[64] = {false};
+  for (int t = 0; t < nt; t++) jobs[t] = (rows_job){.m = m, .fp8 = fp8, .first = t,
+                                                     .step = (int)nt, .bufs = bufs};
+  for (int t = 1; t < nt; t++) started[t] = pthread_create(&th[t], NULL, rows_worker, &jobs[t]) == 0;
+  rows_worker(&jobs[0]);
+  pd_status s = PD_OK;
+  for (int t = 0; t < nt; t++) {
+    if (t > 0 && started[t]) pthread_join(th[t], NULL);
+    else if (t > 0) rows_worker(&jobs[t]); /* (no thread: done here) */
+    if (jobs[t].err.code && s == PD_OK) {
+      *e = jobs[t].err;
+      s = e->code;
+    }
+  }
+  for (int l = 0; l < L; l++)
+    for (int i = 0; i < 7; i++) {
+      void *b = bufs[(size_t)l * 7 + i];
+      if (!b) continue;
+      if (s != PD_OK) {
+        free(b);
+        continue;
+      }
+      if ((s = mdl_own(m, b, e)) != PD_OK) continue; /* (mdl_own freed b) */
+      pd_weight *w = mdl_linears(&m->layers[l], i);
+      w->data = b;
+      if (fp8) w->dtype = PD_DTYPE_F8WA;
+    }
+  free(bufs);
+  return s;
 }
 
 static pd_status mdl_quantize_fp8(pd_model *m, pd_err *e) {
@@ -447,41 +506,7 @@ static pd_status mdl_quantize_fp8(pd_model *m, pd_err *e) {
                       "--quantization fp8: the linear layers' input widths (%d, %d, %d) must be "
                       "multiples of 16", c->hidden_size, c->intermediate_size,
                       c->num_heads * c->head_dim);
-  const int L = c->num_layers;
-  void **bufs = calloc((size_t)L * 7, sizeof *bufs);
-  if (!bufs) return pd_err_set(e, PD_ENOMEM, "out of memory");
-  long nt = sysconf(_SC_NPROCESSORS_ONLN);
-  if (nt < 1) nt = 1;
-  if (nt > 64) nt = 64;
-  if (nt > L) nt = L;
-  pthread_t th[64];
-  fp8_job jobs[64];
-  bool started[64] = {false};
-  for (int t = 0; t < nt; t++) jobs[t] = (fp8_job){m, t, (int)nt, bufs, false};
-  for (int t = 1; t < nt; t++) started[t] = pthread_create(&th[t], NULL, fp8_worker, &jobs[t]) == 0;
-  fp8_worker(&jobs[0]);
-  bool failed = jobs[0].failed;
-  for (int t = 1; t < nt; t++) {
-    if (started[t]) pthread_join(th[t], NULL);
-    else fp8_worker(&jobs[t]); /* (no thread: done here) */
-    failed |= jobs[t].failed;
-  }
-  pd_status s = PD_OK;
-  for (int l = 0; l < L; l++)
-    for (int i = 0; i < 7; i++) {
-      void *b = bufs[(size_t)l * 7 + i];
-      if (failed || s != PD_OK) {
-        free(b);
-        continue;
-      }
-      if ((s = mdl_own(m, b, e)) != PD_OK) continue; /* (mdl_own freed b) */
-      pd_weight *w = mdl_linears(&m->layers[l], i);
-      w->data = b;
-      w->dtype = PD_DTYPE_F8WA;
-    }
-  free(bufs);
-  if (failed && s == PD_OK) s = pd_err_set(e, PD_ENOMEM, "--quantization fp8: out of memory");
-  return s;
+  return mdl_make_rows(m, true, e);
 }
 
 pd_model *pd_model_load(const char *dir, const pd_model_opts *o, pd_err *e) {

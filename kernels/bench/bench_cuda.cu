@@ -17,6 +17,11 @@
  *             logits
  * Usage: pd-bench-cuda [device]. Timings: CUDA events over repeated calls after warm-up.
  *
+ *   pd-bench-cuda [device] --quant
+ * The copy ceiling and the quantized products instead: Llama-3-8B's linear shapes for M = 1 to
+ * 2048, bf16 against 4-bit (PD_DTYPE_Q4) and FP8 (F8WA) rows through the ops table and through
+ * each of the backend's three paths (GEMV, tensor-core product, dequantize + cuBLAS).
+ *
  *   pd-bench-cuda [device] --power SECONDS [WHAT]
  * Energy instead: the decode step's kinds of work at 256 sequences of 1k context (the M = 256
  * GEMMs, the decode attention, a plain copy, the batch-1 GEMV, the idle GPU) each repeated for
@@ -143,6 +148,7 @@ static double g_power_s = 0;        /* --power SECONDS */
 static bool g_kv_const = false;     /* attn_case: caches of one constant instead of random */
 static const char *g_power_only = ""; /* --power SECONDS WHAT: the rows whose "what" starts so */
 static bool g_attn_only = false;      /* --attn: the copy ceiling and the decode attention only */
+static bool g_quant_only = false;     /* --quant: the copy ceiling and the quantized products */
 
 static bool nvml_open(int cuda_dev) {
   void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
@@ -561,6 +567,104 @@ static int power_main(void) {
   return 0;
 }
 
+/* Random bytes (quantized weights: values and scales alike; the timing does not depend on them,
+ * and rows of random f16 scales may hold NaN, which costs the same). */
+__global__ void fill_bytes(uint32_t *p, size_t n_words, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_words;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    p[i] = h;
+  }
+}
+
+/* --quant: y = x W^T for Llama-3-8B's linear shapes, bf16 (the ops table) against 4-bit rows
+ * (PD_DTYPE_Q4) and FP8 rows with per-token FP8 activations (F8WA) through each of the CUDA
+ * backend's three paths: the quantized GEMV (M <= 8), the tensor-core product on bf16 x, and W
+ * dequantized to bf16 for cuBLAS (each path's x conversions included). Microseconds, the weight
+ * bytes read per second (against the copy ceiling) or TFLOP/s, and the speedup over bf16 at the
+ * same M. Weights cycle through copies of 512 MiB or more, as the GEMV rows above. */
+static void quant_bench(double copy_gbs, int n_sm) {
+  static const int shapes[][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
+  static const int ms_[] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048};
+  constexpr int NM = sizeof ms_ / sizeof ms_[0];
+  static const pd_dtype dts[] = {PD_DTYPE_BF16, PD_DTYPE_Q4, PD_DTYPE_F8WA};
+  static const char *names[] = {"bf16", "int4", "fp8"};
+  static const char *paths[] = {"ops", "gemv", "mma", "deq+cuBLAS"};
+  for (const auto &sh : shapes) {
+    const int N = sh[0], K = sh[1];
+    float *x = (float *)dalloc((size_t)2048 * K * 4), *y = (float *)dalloc((size_t)2048 * N * 4);
+    float *xq = (float *)dalloc((size_t)2048 * K * 4), *xs = (float *)dalloc(2048 * 4);
+    __nv_bfloat16 *x16 = (__nv_bfloat16 *)dalloc((size_t)2048 * K * 2);
+    __nv_bfloat16 *wdq = (__nv_bfloat16 *)dalloc((size_t)N * K * 2);
+    float *qws = (float *)dalloc((size_t)8 * 2048 * N * 4);
+    fill_f32<<<1024, 256, 0, st>>>(x, (size_t)2048 * K, 1.0f, 7);
+    double base[NM] = {0};
+    for (int d = 0; d < 3; d++) {
+      const pd_dtype dt = dts[d];
+      const size_t wb = (size_t)N * pd_dtype_row_bytes(dt, K);
+      int copies = (int)((512ull << 20) / wb) + 1;
+      if (copies > 16) copies = 16;
+      std::vector<void *> w(copies);
+      for (int c = 0; c < copies; c++) {
+        w[c] = dalloc(wb);
+        if (dt == PD_DTYPE_BF16)
+          fill_bf16<<<4096, 256, 0, st>>>((__nv_bfloat16 *)w[c], (size_t)N * K, 0.02f, 10 + c);
+        else
+          fill_bytes<<<4096, 256, 0, st>>>((uint32_t *)w[c], wb / 4, 10 + c);
+      }
+      for (int p = 0; p < (d ? 4 : 1); p++)
+        for (int mi = 0; mi < NM; mi++) {
+          const int M = ms_[mi];
+          if (p == 1 && M > PD_CUDA_QGEMV_MAX_M) continue;
+          const double ms = time_ms(M >= 256 ? 10 : 40, [&](int i) {
+            const void *wi = w[i % copies];
+            if (p == 0) {
+              be->ops.matmul(be, y, x, wi, dt, NULL, M, N, K);
+            } else if (p == 1) {
+              const float *xi = x;
+              if (dt == PD_DTYPE_F8WA) {
+                pd_cuda_fp8_qdq_rows(st, xq, x, M, K);
+                xi = xq;
+              }
+              pd_cuda_qgemv(st, y, xi, wi, dt, NULL, M, N, K, false);
+            } else if (p == 2) {
+              if (dt == PD_DTYPE_F8WA) pd_cuda_fp8_quant16(st, x16, xs, x, M, K);
+              else pd_cuda_convert(st, x16, PD_DTYPE_BF16, x, (size_t)M * K);
+              pd_cuda_qmma(st, y, qws, pd_cuda_qmma_splits(M, N, K, n_sm), x16,
+                           dt == PD_DTYPE_F8WA ? xs : NULL, wi, dt, NULL, M, N, K, false);
+            } else {
+              const float *xi = x;
+              if (dt == PD_DTYPE_F8WA) {
+                pd_cuda_fp8_qdq_rows(st, xq, x, M, K);
+                xi = xq;
+              }
+              pd_cuda_dequant16(st, wdq, wi, dt, N, K);
+              be->ops.matmul(be, y, xi, wdq, PD_DTYPE_BF16, NULL, M, N, K);
+            }
+          });
+          if (d == 0) base[mi] = ms;
+          char shape[80], what[32];
+          snprintf(shape, sizeof shape, "M=%d N=%d K=%d %s %s", M, N, K, names[d], paths[p]);
+          snprintf(what, sizeof what, d ? "x%.2f vs bf16" : "matmul", d ? base[mi] / ms : 0.0);
+          const double gbs = wb / (ms * 1e-3) / 1e9;
+          if (M >= 64)
+            row(what, shape, ms * 1000, "TFLOP/s", 2.0 * M * N * (double)K / (ms * 1e-3) / 1e12, -1);
+          else
+            row(what, shape, ms * 1000, "GB/s", gbs, 100.0 * gbs / copy_gbs);
+        }
+      for (int c = 0; c < copies; c++) be->ops.free(be, w[c]);
+    }
+    for (void *p : {(void *)x, (void *)y, (void *)xq, (void *)xs, (void *)x16, (void *)wdq, (void *)qws})
+      be->ops.free(be, p);
+  }
+  be->ops.sync(be);
+  pd_err e = {};
+  if (pd_backend_cuda_status(be, &e) != PD_OK) fprintf(stderr, "backend error: %s\n", e.msg);
+}
+
 int main(int argc, char **argv) {
   int dev = 0;
   for (int i = 1; i < argc; i++) {
@@ -574,10 +678,12 @@ int main(int argc, char **argv) {
         g_power_only = argv[++i];
     } else if (!strcmp(argv[i], "--attn")) {
       g_attn_only = true;
+    } else if (!strcmp(argv[i], "--quant")) {
+      g_quant_only = true;
     } else if (argv[i][0] >= '0' && argv[i][0] <= '9') {
       dev = atoi(argv[i]);
     } else {
-      fprintf(stderr, "usage: pd-bench-cuda [device] [--attn | --power SECONDS [WHAT]]\n");
+      fprintf(stderr, "usage: pd-bench-cuda [device] [--attn | --quant | --power SECONDS [WHAT]]\n");
       return 2;
     }
   }
@@ -627,6 +733,12 @@ int main(int argc, char **argv) {
       100.0 * 2.0 * sb / (ms * 1e-3) / 1e9 / copy_gbs);
   be->ops.free(be, src);
   be->ops.free(be, dst);
+
+  if (g_quant_only) {
+    quant_bench(copy_gbs, prop.multiProcessorCount);
+    pd_backend_destroy(be);
+    return 0;
+  }
 
   /* ---- cuBLAS bf16 GEMM 8192^3 */
   if (!g_attn_only) {

@@ -37,6 +37,10 @@ bool float_dtype(pd_dtype t) {
   return t == PD_DTYPE_F32 || t == PD_DTYPE_F16 || t == PD_DTYPE_BF16;
 }
 
+/* A weight dtype the matmuls take at this K: the float types, and the quantized rows of
+ * cuda_quant.cu where their kernels take K. */
+bool weight_ok(pd_dtype t, int K) { return float_dtype(t) || pd_cuda_quant_ok(t, K); }
+
 } // namespace
 
 cudaError_t pd_cuda_smem_optin(const void *kernel, size_t bytes) {
@@ -262,6 +266,68 @@ static void gemm16(cuda_impl *c, void *y, cudaDataType_t yt, const void *x16, co
                       y, yt, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+/* y (+)= x W^T + bias for quantized W (cuda_quant.cu): decode rows by the quantized GEMV (F8WA's
+ * activations through their FP8 quantize-dequantize first), up to qmma_rows rows by the
+ * tensor-core product on bf16 x (F8WA: the e4m3 values of x / s and the row scales s), and
+ * above, W dequantized to bf16 for cuBLAS. The bounds are where each path stops being the
+ * fastest (pd-bench-cuda --quant, H100, Llama-3-8B shapes): the tensor-core product reads 4-bit
+ * W at about a third of copy bandwidth up to M = 16 and runs at 110-160 TFLOP/s from M = 64; at
+ * M = 256 dequantizing for cuBLAS is faster (0.39x of bf16 against 0.31x). */
+enum { QGEMV_ROWS = 4 };
+static_assert(QGEMV_ROWS <= PD_CUDA_QGEMV_MAX_M, "the quantized GEMV takes at most 8 rows");
+static int qmma_rows(pd_dtype wdt) { return wdt == PD_DTYPE_Q4 ? 192 : 64; }
+
+static void qmatmul(cuda_impl *c, float *y, const float *x, const void *w, pd_dtype wdt,
+                    const float *bias, int M, int N, int K, bool accumulate) {
+  const bool f8a = wdt == PD_DTYPE_F8WA;
+  if (M <= qmma_rows(wdt)) {
+    if (M <= QGEMV_ROWS && ((uintptr_t)x & 15) == 0) {
+      if (f8a) {
+        grow(c, reinterpret_cast<void **>(&c->xq), &c->xq_size, (size_t)M * K * sizeof(float));
+        pd_cuda_fp8_qdq_rows(c->st, c->xq, x, M, K);
+        CK_LAUNCH(c, "fp8 activations");
+        x = c->xq;
+      }
+      pd_cuda_qgemv(c->st, y, x, w, wdt, bias, M, N, K, accumulate);
+      CK_LAUNCH(c, "gemv (quantized)");
+      return;
+    }
+    grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
+    __nv_bfloat16 *x16 = static_cast<__nv_bfloat16 *>(c->xconv);
+    if (f8a) {
+      grow(c, reinterpret_cast<void **>(&c->xq), &c->xq_size, (size_t)M * sizeof(float));
+      pd_cuda_fp8_quant16(c->st, x16, c->xq, x, M, K);
+    } else {
+      pd_cuda_convert(c->st, x16, PD_DTYPE_BF16, x, (size_t)M * K);
+    }
+    CK_LAUNCH(c, "convert x");
+    const int splits = pd_cuda_qmma_splits(M, N, K, c->n_sm);
+    if (splits > 1)
+      grow(c, reinterpret_cast<void **>(&c->qws), &c->qws_size, (size_t)splits * M * N * 4);
+    pd_cuda_qmma(c->st, y, c->qws, splits, x16, f8a ? c->xq : NULL, w, wdt, bias, M, N, K,
+                 accumulate);
+    CK_LAUNCH(c, "quantized product (tensor cores)");
+    return;
+  }
+  if (f8a) {
+    grow(c, reinterpret_cast<void **>(&c->xq), &c->xq_size, (size_t)M * K * sizeof(float));
+    pd_cuda_fp8_qdq_rows(c->st, c->xq, x, M, K);
+    CK_LAUNCH(c, "fp8 activations");
+    x = c->xq;
+  }
+  grow(c, &c->wdq, &c->wdq_size, (size_t)N * K * 2);
+  pd_cuda_dequant16(c->st, static_cast<__nv_bfloat16 *>(c->wdq), w, wdt, N, K);
+  CK_LAUNCH(c, "dequantize");
+  grow(c, &c->xconv, &c->xconv_size, (size_t)M * K * 2);
+  pd_cuda_convert(c->st, c->xconv, PD_DTYPE_BF16, x, (size_t)M * K);
+  CK_LAUNCH(c, "convert x");
+  gemm16(c, y, CUDA_R_32F, c->xconv, c->wdq, PD_DTYPE_BF16, M, N, K, accumulate ? 1.0f : 0.0f);
+  if (bias) {
+    pd_cuda_bias(c->st, y, bias, M, N);
+    CK_LAUNCH(c, "bias");
+  }
+}
+
 /* y = x W^T + bias, or y += that when accumulate. */
 static void matmul_impl(cuda_impl *c, float *y, const float *x, const void *w, pd_dtype wdt,
                         const float *bias, int M, int N, int K, bool accumulate) {
@@ -269,6 +335,10 @@ static void matmul_impl(cuda_impl *c, float *y, const float *x, const void *w, p
     if (!accumulate) CK(c, cudaMemsetAsync(y, 0, (size_t)M * N * sizeof(float), c->st));
     if (bias) pd_cuda_bias(c->st, y, bias, M, N);
     CK_LAUNCH(c, "matmul (K = 0)");
+    return;
+  }
+  if (pd_cuda_quant_dtype(wdt)) {
+    qmatmul(c, y, x, w, wdt, bias, M, N, K, accumulate);
     return;
   }
   if (M <= GEMV_ROWS) {
@@ -299,7 +369,7 @@ void cu_matmul(pd_backend *be, float *y, const float *x, const void *w, pd_dtype
                const float *bias, int M, int N, int K) {
   cuda_impl *c = impl_of(be);
   PD_ASSERT(M >= 0 && N >= 0 && K >= 0);
-  PD_ASSERT(float_dtype(wdt));
+  PD_ASSERT(K == 0 || weight_ok(wdt, K));
   if (M == 0 || N == 0) return;
   use_device(c);
   matmul_impl(c, y, x, w, wdt, bias, M, N, K, false);
@@ -390,7 +460,7 @@ void cu_matmul_glu(pd_backend *be, float *act, float *gu, const float *x, const 
                    pd_dtype wdt, const float *bias, int M, int F, int K) {
   cuda_impl *c = impl_of(be);
   PD_ASSERT(M >= 0 && F >= 0 && K >= 0);
-  PD_ASSERT(float_dtype(wdt));
+  PD_ASSERT(K == 0 || weight_ok(wdt, K));
   if (M == 0 || F == 0) return;
   use_device(c);
   if (K > 0 && pd_cuda_gemv_fused_ok(x, w, wdt, M, K)) {
@@ -768,7 +838,7 @@ void cu_linear(pd_backend *be, const pd_linear *p) {
   const pd_dtype wdt = p->w.dtype;
   const void *w = p->w.data;
   PD_ASSERT(M >= 0 && N >= 0 && K >= 0 && K == p->w.K);
-  PD_ASSERT(float_dtype(wdt));
+  PD_ASSERT(K == 0 || weight_ok(wdt, K));
   PD_ASSERT(p->epilogue != PD_LIN_GLU || N % 2 == 0);
   const bool out_act = p->epilogue == PD_LIN_GLU || (p->epilogue == PD_LIN_RESIDUAL && p->norm_w);
   const int out_K = p->epilogue == PD_LIN_GLU ? N / 2 : N;
@@ -854,7 +924,7 @@ void cu_qkv_attention(pd_backend *be, const pd_qkv_attn *p) {
   const int M = in->M, K = in->K, N = p->w.N, hd = sh->head_dim;
   const pd_dtype wdt = p->w.dtype;
   PD_ASSERT(M >= 0 && K == p->w.K && p->batch->n_tokens == M);
-  PD_ASSERT(float_dtype(wdt));
+  PD_ASSERT(K == 0 || weight_ok(wdt, K));
   PD_ASSERT(p->n_q_heads > 0 && hd % 2 == 0 && hd <= 256);
   PD_ASSERT(N == (p->n_q_heads + 2 * sh->num_kv_heads) * hd);
   PD_ASSERT(float_dtype(sh->dtype));
@@ -939,6 +1009,9 @@ void cu_destroy(pd_backend *be) {
     if (c->blas) cublasDestroy(c->blas);
     cudaFree(c->blas_ws);
     cudaFree(c->xconv);
+    cudaFree(c->wdq);
+    cudaFree(c->xq);
+    cudaFree(c->qws);
     cudaFree(c->acc_ws);
     cudaFree(c->attn_ws);
     cudaFree(c->xfin);

@@ -606,6 +606,7 @@ void pd_cuda_gemv(cudaStream_t st, float *y, const float *x, const void *w, pd_d
 }
 
 bool pd_cuda_gemv_fused_ok(const float *x, const void *w, pd_dtype wdt, int M, int K) {
+  if (wdt != PD_DTYPE_F32 && wdt != PD_DTYPE_F16 && wdt != PD_DTYPE_BF16) return false;
   const int e = wdt == PD_DTYPE_F32 ? 4 : 8;
   return M >= 1 && M <= PD_CUDA_GEMV_FUSED_MAX_M && K % e == 0 && ((uintptr_t)w & 15) == 0 &&
          ((uintptr_t)x & 15) == 0;

@@ -12,6 +12,7 @@
  *   cuda_attn_decode.cu  split-K paged decode attention, the split merge, the generic kernel
  *   cuda_attn_prefill.cu FlashAttention-style paged prefill on bf16 tensor cores
  *   cuda_attn_decode_tc.cu tensor-core decode attention for bf16/f16 caches
+ *   cuda_quant.cu        4-bit and FP8 weights: their decode GEMV, dequantization to bf16
  *   cuda_mma.h           mma.sync / ldmatrix / cp.async helpers of the two tensor-core kernels
  * Further ops, registered by pd_backend_cuda_create (state in cuda_state.h): cuda_sample.cu
  * (sampling), cuda_kvstage.cu (KV staging, pinned memory), cuda_graph.cu (capture and replay),
@@ -199,6 +200,32 @@ void pd_cuda_gemv_rope_kv(cudaStream_t st, float *q_out, const float *x, const v
                           const pd_cuda_gemv_pre *pre, const int32_t *pos,
                           const float *inv_freq, const pd_kv_layer *kv, const pd_kv_shape *sh,
                           const int32_t *slots, int nq);
+
+/* Quantized weights (cuda_quant.cu): PD_DTYPE_Q4, F8W and F8WA rows as pd/dtype.h lays them out.
+ * pd_cuda_quant_ok: whether the kernels take the dtype at this K (Q4: a multiple of 32; FP8: of
+ * 16). pd_cuda_qgemv: y[M,N] (+)= x[M,K] W^T + bias for 1 <= M <= PD_CUDA_QGEMV_MAX_M, x 16-byte
+ * aligned f32 rows (F8WA: already through pd_cuda_fp8_qdq_rows). pd_cuda_dequant16: W as bf16
+ * rows [N, K] at dst for a cuBLAS product. pd_cuda_fp8_qdq_rows: each row of x quantized to e4m3
+ * with scale max|row| / 448 and back, into dst (the CPU backend's arithmetic). */
+#define PD_CUDA_QGEMV_MAX_M 8
+bool pd_cuda_quant_dtype(pd_dtype t);
+bool pd_cuda_quant_ok(pd_dtype t, int K);
+void pd_cuda_qgemv(cudaStream_t st, float *y, const float *x, const void *w, pd_dtype wdt,
+                   const float *bias, int M, int N, int K, bool accumulate);
+void pd_cuda_dequant16(cudaStream_t st, __nv_bfloat16 *dst, const void *w, pd_dtype wdt, int N,
+                       int K);
+void pd_cuda_fp8_qdq_rows(cudaStream_t st, float *dst, const float *x, int M, int K);
+/* The tensor-core product of quantized W (Q4, F8W, F8WA) with bf16 rows x16 [M, K] (K a multiple
+ * of 8, 16-byte aligned): y (+)= x16 W^T (* xs[m] where xs != NULL: F8WA's per-row activation
+ * scales, x16 then holding the e4m3 values of x / xs from pd_cuda_fp8_quant16) + bias.
+ * pd_cuda_qmma_splits: the blocks K is split over for this shape on n_sm SMs; with splits > 1,
+ * ws holds splits * M * N floats of partial sums. */
+int pd_cuda_qmma_splits(int M, int N, int K, int n_sm);
+void pd_cuda_qmma(cudaStream_t st, float *y, float *ws, int splits, const __nv_bfloat16 *x16,
+                  const float *xs, const void *w, pd_dtype wdt, const float *bias, int M, int N,
+                  int K, bool accumulate);
+void pd_cuda_fp8_quant16(cudaStream_t st, __nv_bfloat16 *dst, float *scales, const float *x,
+                         int M, int K);
 
 /* Attention. One call's arguments, resolved; workspaces belong to the backend. */
 typedef struct pd_cuda_attn {

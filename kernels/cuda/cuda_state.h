@@ -23,6 +23,12 @@ struct cuda_impl {
   void *blas_ws;
   void *xconv; /* [M, K] bf16 or f16 copy of x for cuBLAS */
   size_t xconv_size;
+  void *wdq; /* a quantized W dequantized to bf16 [N, K] for cuBLAS (M above the GEMV rows) */
+  size_t wdq_size;
+  float *xq; /* F8WA: x through FP8 quantize-dequantize [M, K] */
+  size_t xq_size;
+  float *qws; /* the quantized product's split-K partial sums [splits][M][N] */
+  size_t qws_size;
   float *attn_ws; /* split partials: outputs then (max, sum) pairs */
   size_t attn_ws_size;
   int32_t *tiles;

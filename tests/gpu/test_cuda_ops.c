@@ -27,6 +27,8 @@
 
 static pd_backend *g_cpu, *g_gpu;
 static int g_small;
+/* run_layer_case: the linear layers' weight dtype (a quantized one), or -1: the model's */
+static int g_lin_dt = -1;
 
 /* ---- helpers ------------------------------------------------------------------------------- */
 
@@ -76,6 +78,31 @@ static void set_nan(void *p, pd_dtype dt, size_t i) {
     ((uint16_t *)p)[i] = 0x7fc0;
   else
     ((uint16_t *)p)[i] = 0x7e00;
+}
+
+/* N rows of K random weights of about +-amp in dt: the float types as rand_dt; PD_DTYPE_Q4 rows
+ * (random 4-bit values, scales near amp / 8, integer zeros) and F8W / F8WA rows (random e4m3 of
+ * at most 64, a scale of amp / 64), as pd/dtype.h lays them out. */
+static void *rand_w(pd_dtype dt, int N, int K, float amp) {
+  if (dt != PD_DTYPE_Q4 && dt != PD_DTYPE_F8W && dt != PD_DTYPE_F8WA)
+    return rand_dt(dt, (size_t)N * K, -amp, amp);
+  const size_t rb = pd_dtype_row_bytes(dt, K);
+  uint8_t *p = xmalloc((size_t)N * rb);
+  for (int n = 0; n < N; n++) {
+    uint8_t *row = p + (size_t)n * rb;
+    if (dt == PD_DTYPE_Q4) {
+      for (int j = 0; j < K / 2; j++) row[j] = (uint8_t)rnd();
+      for (int b = 0; b < K / PD_Q4_BLOCK; b++) {
+        const uint16_t sz[2] = {pd_f32_to_f16(frand(0.5f, 1.0f) * amp / 8), pd_f32_to_f16((float)irand(16))};
+        memcpy(row + K / 2 + 4 * b, sz, 4);
+      }
+    } else {
+      for (int j = 0; j < K; j++) row[j] = pd_f32_to_e4m3(frand(-64, 64));
+      const float sc = frand(0.5f, 1.0f) * amp / 64;
+      memcpy(row + K, &sc, 4);
+    }
+  }
+  return p;
 }
 
 static void *up(const void *h, size_t bytes) {
@@ -195,6 +222,61 @@ static void test_matmuls(void) {
       test_matmul(s[0], s[1], s[2], k_dts[d], (i + d) % 2);
     }
   test_matmul(5, 17, 0, PD_DTYPE_BF16, 1); /* K = 0: y = bias */
+}
+
+/* Quantized weights (PD_DTYPE_Q4, F8W, F8WA) against the CPU backend, through each of the CUDA
+ * backend's paths: the GEMV (f32 x, up to 4 rows), the tensor-core product (x in bf16; K not a
+ * multiple of its 64-wide steps included) up to 192 rows (4-bit) or 64 (FP8), and above, W
+ * dequantized to bf16 for cuBLAS. F8WA: x through the same FP8 quantization on both sides first (an activation whose
+ * x / s lands on a rounding tie differently in the two could move the result by one e4m3 step,
+ * 2^-4 of that element). */
+static void test_qmatmul(int M, int N, int K, pd_dtype wdt, int with_bias) {
+  float *x = rand_f32((size_t)M * K, -1, 1);
+  void *w = rand_w(wdt, N, K, 1.0f / sqrtf((float)K));
+  float *bias = with_bias ? rand_f32((size_t)N, -1, 1) : NULL;
+  float *ref = xmalloc((size_t)M * N * sizeof *ref);
+  g_cpu->ops.matmul(g_cpu, ref, x, w, wdt, bias, M, N, K);
+  const size_t wb = (size_t)N * pd_dtype_row_bytes(wdt, K);
+  float *dx = up(x, (size_t)M * K * 4), *dy = g_gpu->ops.alloc(g_gpu, (size_t)M * N * 4);
+  REQUIRE(dy);
+  void *dw = up(w, wb);
+  float *db = bias ? up(bias, (size_t)N * 4) : NULL;
+  g_gpu->ops.matmul(g_gpu, dy, dx, dw, wdt, db, M, N, K);
+  float *y = down(dy, (size_t)M * N * 4);
+  const double err = rel_err(y, ref, (size_t)M * N);
+  /* f32 x up to the GEMV rows (4); above, x in bf16 (exact for F8WA's e4m3 values in the
+   * tensor-core product, up to 64 rows) */
+  const bool f8a = wdt == PD_DTYPE_F8WA;
+  const double tol = M <= 4 ? (f8a ? 2e-3 : 1e-4) : f8a && M <= 64 ? 2e-3 : 1.5e-2;
+  CHECKF(err < tol, "quantized matmul M=%d N=%d K=%d %s bias=%d: error %.3g (tolerance %.1g)", M,
+         N, K, dtn(wdt), with_bias, err, tol);
+  printf("  quantized matmul M=%-4d N=%-5d K=%-5d %-5s: %.2e\n", M, N, K, dtn(wdt), err);
+  free(x);
+  free(w);
+  free(bias);
+  free(ref);
+  free(y);
+  gfree(dx);
+  gfree(dy);
+  gfree(dw);
+  if (db) gfree(db);
+}
+
+static void test_qmatmuls(void) {
+  static const int big[][3] = {{1, 4096, 4096}, {1, 1027, 14336}, {2, 4000, 4096}, {3, 333, 96},
+                               {4, 1000, 4000}, {5, 4000, 4096}, {8, 14336, 4096},
+                               {7, 130, 11008}, {9, 4000, 4096}, {33, 1103, 4000},
+                               {300, 1024, 2048}, {1, 6144, 4096}, {1100, 300, 1024}, {130, 520, 4000},
+                               {16, 4096, 14336}, {17, 100, 544}};
+  static const int small[][3] = {{1, 300, 256}, {3, 77, 96}, {8, 64, 4000}, {9, 130, 96},
+                                 {40, 64, 224}, {1030, 40, 64}, {70, 40, 160}};
+  static const pd_dtype qdt[3] = {PD_DTYPE_Q4, PD_DTYPE_F8W, PD_DTYPE_F8WA};
+  const int n = g_small ? (int)(sizeof small / sizeof small[0]) : (int)(sizeof big / sizeof big[0]);
+  for (int i = 0; i < n; i++)
+    for (int d = 0; d < 3; d++) {
+      const int *sh = g_small ? small[i] : big[i];
+      test_qmatmul(sh[0], sh[1], sh[2], qdt[d], (i + d) % 2);
+    }
 }
 
 /* ---- row ops ---------------------------------------------------------------------------------- */
@@ -821,9 +903,10 @@ static void run_layer_case(const char *name, int S, const int *n_new, const int 
   nb += 1;
   /* host inputs */
   const size_t es = pd_dtype_size(wdt);
+  const pd_dtype ldt = g_lin_dt >= 0 ? (pd_dtype)g_lin_dt : wdt; /* the linears' */
   void *table = rand_dt(wdt, (size_t)V * D, -1, 1);
-  void *wqkv = rand_dt(wdt, (size_t)N * D, -0.08f, 0.08f), *wo = rand_dt(wdt, (size_t)D * qd, -0.08f, 0.08f);
-  void *wgu = rand_dt(wdt, (size_t)2 * F * D, -0.08f, 0.08f), *wdown = rand_dt(wdt, (size_t)D * F, -0.08f, 0.08f);
+  void *wqkv = rand_w(ldt, N, D, 0.08f), *wo = rand_w(ldt, D, qd, 0.08f);
+  void *wgu = rand_w(ldt, 2 * F, D, 0.08f), *wdown = rand_w(ldt, D, F, 0.08f);
   void *head = rand_dt(wdt, (size_t)V * D, -0.08f, 0.08f);
   float *an = rand_f32(D, 0.5f, 1.5f), *fn = rand_f32(D, 0.5f, 1.5f), *nn = rand_f32(D, 0.5f, 1.5f);
   float *finn = rand_f32(D, 0.5f, 1.5f);
@@ -858,10 +941,10 @@ static void run_layer_case(const char *name, int S, const int *n_new, const int 
     pd_backend *be = side ? g_gpu : g_cpu;
     lo_bufs b = {.be = be};
     b.table = lo_put(be, table, (size_t)V * D * es);
-    b.wqkv = lo_put(be, wqkv, (size_t)N * D * es);
-    b.wo = lo_put(be, wo, (size_t)D * qd * es);
-    b.wgu = lo_put(be, wgu, (size_t)2 * F * D * es);
-    b.wdown = lo_put(be, wdown, (size_t)D * F * es);
+    b.wqkv = lo_put(be, wqkv, (size_t)N * pd_dtype_row_bytes(ldt, D));
+    b.wo = lo_put(be, wo, (size_t)D * pd_dtype_row_bytes(ldt, qd));
+    b.wgu = lo_put(be, wgu, (size_t)2 * F * pd_dtype_row_bytes(ldt, D));
+    b.wdown = lo_put(be, wdown, (size_t)D * pd_dtype_row_bytes(ldt, F));
     b.head = lo_put(be, head, (size_t)V * D * es);
     b.attn_norm = lo_put(be, an, D * 4);
     b.ffn_norm = lo_put(be, fn, D * 4);
@@ -891,15 +974,15 @@ static void run_layer_case(const char *name, int S, const int *n_new, const int 
     for (int i = 0; i < 2; i++) REQUIRE((b.act[i].data = be->ops.alloc(be, be->ops.act_bytes(be, M, kmax))));
     pd_act *a = &b.act[0], *h = &b.act[1];
     lo_snap *sn = &snap[side];
-    const pd_wdesc Wqkv = {wdt, b.wqkv, N, D}, Wo = {wdt, b.wo, D, qd}, Wgu = {wdt, b.wgu, 2 * F, D},
-                   Wdown = {wdt, b.wdown, D, F}, Whead = {wdt, b.head, V, D};
-    be->ops.embed_norm(be, b.x, a, b.table, wdt, b.ids, M, D, b.attn_norm, eps, wdt);
+    const pd_wdesc Wqkv = {ldt, b.wqkv, N, D}, Wo = {ldt, b.wo, D, qd}, Wgu = {ldt, b.wgu, 2 * F, D},
+                   Wdown = {ldt, b.wdown, D, F}, Whead = {wdt, b.head, V, D};
+    be->ops.embed_norm(be, b.x, a, b.table, wdt, b.ids, M, D, b.attn_norm, eps, ldt);
     sn->x0 = lo_get(be, b.x, (size_t)M * D);
     sn->a0 = lo_act(be, a);
     const pd_attn_batch ab = {S, M, b.qs, b.ctx, b.bt, mb, max_ctx};
     const pd_qkv_attn at = {.in = a, .w = Wqkv, .bias = b.bqkv, .pos = b.pos, .inv_freq = b.inv,
                             .kv = &b.kv, .shape = &sh, .slots = b.slots, .batch = &ab,
-                            .n_q_heads = nq, .scale = scale, .out = h, .out_wdtype = wdt,
+                            .n_q_heads = nq, .scale = scale, .out = h, .out_wdtype = ldt,
                             .qkv = b.qkv, .q = b.q};
     be->ops.qkv_attention(be, &at);
     sn->h_attn = lo_act(be, h);
@@ -908,13 +991,13 @@ static void run_layer_case(const char *name, int S, const int *n_new, const int 
     be->ops.to_host(be, sn->kc, b.kv.k, cb);
     be->ops.to_host(be, sn->vc, b.kv.v, cb);
     const pd_linear o = {.in = h, .w = Wo, .bias = b.bo, .epilogue = PD_LIN_RESIDUAL, .y = b.x,
-                         .out = a, .norm_w = b.ffn_norm, .eps = eps, .out_wdtype = wdt,
+                         .out = a, .norm_w = b.ffn_norm, .eps = eps, .out_wdtype = ldt,
                          .scratch = b.scratch};
     be->ops.linear(be, &o);
     sn->x1 = lo_get(be, b.x, (size_t)M * D);
     sn->a1 = lo_act(be, a);
     const pd_linear gu = {.in = a, .w = Wgu, .bias = b.bgu, .epilogue = PD_LIN_GLU, .out = h,
-                          .out_wdtype = wdt, .scratch = b.scratch};
+                          .out_wdtype = ldt, .scratch = b.scratch};
     be->ops.linear(be, &gu);
     sn->h_glu = lo_act(be, h);
     const pd_linear dn = {.in = h, .w = Wdown, .bias = b.bdown, .epilogue = PD_LIN_RESIDUAL,
@@ -964,8 +1047,9 @@ static void run_layer_case(const char *name, int S, const int *n_new, const int 
   double worst = 0;
   for (size_t i = 0; i < sizeof cmp / sizeof cmp[0]; i++) {
     const double err = rel_err(cmp[i].g, cmp[i].c, cmp[i].n);
-    CHECKF(err < tol, "layer ops %s (M %d, seqs %d, heads %d/%d, hd %d, %s, bias %d): %s error "
-           "%.3g (tolerance %.1g)", name, M, S, nq, nkv, hd, dtn(wdt), bias, cmp[i].what, err, tol);
+    CHECKF(err < tol, "layer ops %s (M %d, seqs %d, heads %d/%d, hd %d, %s, linears %s, bias %d): "
+           "%s error %.3g (tolerance %.1g)", name, M, S, nq, nkv, hd, dtn(wdt), dtn(ldt), bias,
+           cmp[i].what, err, tol);
     if (err > worst) worst = err;
     free(cmp[i].g);
     free(cmp[i].c);
@@ -979,8 +1063,9 @@ static void run_layer_case(const char *name, int S, const int *n_new, const int 
   const double ek = rel_err(k1, k0, ce), ev = rel_err(v1, v0, ce);
   CHECKF(ek < tol && ev < tol, "layer ops %s (M %d, hd %d, %s): cache error k %.3g v %.3g", name,
          M, hd, dtn(wdt), ek, ev);
-  printf("  layer ops %-14s M %4d seqs %3d heads %2d/%d hd %3d %-4s bias %d: worst %.2e, cache "
-         "%.2e / %.2e\n", name, M, S, nq, nkv, hd, dtn(wdt), bias, worst, ek, ev);
+  printf("  layer ops %-14s M %4d seqs %3d heads %2d/%d hd %3d %-4s linears %-5s bias %d: worst "
+         "%.2e, cache %.2e / %.2e\n", name, M, S, nq, nkv, hd, dtn(wdt), dtn(ldt), bias, worst, ek,
+         ev);
   for (int i = 0; i < 2; i++) {
     free(snap[i].kc);
     free(snap[i].vc);
@@ -1041,6 +1126,23 @@ static void test_layer_ops(void) {
     for (int l = 0; l < 3; l++)
       run_layer_case("prefill", 4, pn, pc, lay[l][0], lay[l][1], lay[l][2], k_dts[d],
                      PD_DTYPE_BF16, d == 2);
+  /* quantized linears (bf16 embedding and head): decode GEMVs, cuBLAS on dequantized W */
+  static const pd_dtype qdt[3] = {PD_DTYPE_Q4, PD_DTYPE_F8W, PD_DTYPE_F8WA};
+  for (int q = 0; q < 3; q++) {
+    g_lin_dt = (int)qdt[q];
+    for (int si = 0; si < 4; si++) {
+      const int S = decode_sizes[si], l = (q + si) % 3;
+      for (int s = 0; s < S; s++) {
+        n1[s] = 1;
+        ctx[s] = 1 + irand(g_small ? 100 : 300);
+      }
+      run_layer_case("decode", S, n1, ctx, lay[l][0], lay[l][1], lay[l][2], PD_DTYPE_BF16,
+                     PD_DTYPE_BF16, (si & 1) == 0);
+    }
+    run_layer_case("prefill", 4, pn, pc, lay[q][0], lay[q][1], lay[q][2], PD_DTYPE_BF16,
+                   PD_DTYPE_BF16, q == 1);
+  }
+  g_lin_dt = -1;
 }
 
 /* No device memory for an op's scratch (a batch larger than any before, with the GPU full): the
@@ -1129,6 +1231,7 @@ int main(int argc, char **argv) {
 
   test_memory();
   test_matmuls();
+  test_qmatmuls();
   static const int norm_shapes[][2] = {{1, 4096}, {7, 4000}, {300, 11003}, {4096, 64}, {3, 5}};
   for (int i = g_small ? 2 : 0; i < 5; i++)
     test_norms(g_small && i == 2 ? 9 : norm_shapes[i][0], g_small && i == 2 ? 1003 : norm_shapes[i][1]);

@@ -18,12 +18,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd/backend_cuda.h"
 #include "pd/model.h"
 #include "pd/runtime.h"
 #include "pd/safetensors.h"
 #include "pd_test.h"
 
 static char g_data[1024];
+/* --device cuda[:N]: the whole checkpoints on that GPU (bf16 KV) with the GPU tolerances of
+ * ../shared/golden/README.md instead of the CPU's */
+static const char *g_device;
 
 static cJSON *load_json(const char *dir, const char *name) {
   char p[4200];
@@ -58,7 +62,11 @@ static void test_model_dir(const char *dir) {
   pd_runtime_opts_default(&o);
   o.model_dir = dir;
   o.threads = 2;
-  o.kv_cache_dtype = "f32";
+  o.kv_cache_dtype = g_device ? "bf16" : "f32";
+  if (g_device) {
+    o.device = g_device;
+    o.kv_cache_tokens = 4096;
+  }
   pd_err e = {0};
   REQUIRE(pd_runtime_open(&rt, &o, on_event, &out, &e) == PD_OK);
   const bool fp8 = rt.model->cfg.quant.method == PD_QUANT_CT_FP8;
@@ -66,7 +74,7 @@ static void test_model_dir(const char *dir) {
   CHECK(rt.model->layers[0].wq.dtype == (fp8 ? PD_DTYPE_F8WA : PD_DTYPE_Q4));
   /* ../shared/quant/README.md: weight-only 4-bit within 1e-3, greedy up to a gap of 0.02; FP8
    * weights and activations within 2e-2 (per-token scales may round differently), gap 0.1 */
-  const double tol = fp8 ? 2e-2 : 1e-3, tie = fp8 ? 0.1 : 0.02;
+  const double tol = g_device ? 3e-2 : fp8 ? 2e-2 : 1e-3, tie = g_device || fp8 ? 0.1 : 0.02;
   const char *name = strrchr(dir, '/') ? strrchr(dir, '/') + 1 : dir;
   const int V = rt.model->cfg.vocab_size;
   float *lg = malloc((size_t)V * sizeof *lg), *rl = malloc((size_t)V * sizeof *rl);
@@ -225,8 +233,18 @@ int main(int argc, char **argv) {
   snprintf(g_data, sizeof g_data, "%s", d && *d ? d : PD_TEST_DATA);
   char dir[2048];
   snprintf(dir, sizeof dir, "%s/quant/pycoder-qwen2-4m-gptq-g128", g_data);
+  int a0 = 1;
+  if (argc > 2 && strcmp(argv[1], "--device") == 0) {
+    g_device = argv[2];
+    a0 = 3;
+    if (pd_cuda_device_count() == 0) {
+      printf("test_quant --device %s: no CUDA device, skipped\n", g_device);
+      return 77;
+    }
+  }
   test_model_dir(dir);
-  for (int i = 1; i < argc; i++) test_model_dir(argv[i]);
+  for (int i = a0; i < argc; i++) test_model_dir(argv[i]);
+  if (g_device) return pd_test_finish("test_quant (GPU)");
   test_layer0("pycoder-12m-awq-gemm-g128-q_proj", NULL);
   test_layer0("pycoder-12m-llmc-w4a16-q_proj", "exact_f32_variant");
   test_layer0("pycoder-qwen2-4m-llmc-fp8-dynamic-q_proj", "exact_f32_variant");
