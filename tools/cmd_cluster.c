@@ -480,7 +480,7 @@ static int cluster_up(int argc, char **argv) {
        "each GPU node's share of its device's memory (weights + KV); nodes sharing a GPU "
        "need shares that add up to at most ~0.9 (node default 0.9)", NULL},
       {"kv-cache-dtype", PD_OPT_STR, &kv_dtype, "T",
-       "KV dtype of every node (f32, bf16, f16); prefill and decode must agree (default: bf16 "
+       "KV dtype of every node (f32, bf16, f16, fp8 on CPU nodes); prefill and decode must agree (default: bf16 "
        "when CPU and GPU nodes are mixed, else the nodes' own default)", NULL},
       {"bin-dir", PD_OPT_STR, &bin_dir, "DIR",
        "where pd-router, pd-prefill, pd-decode are (default: found from pdctl's location)", NULL},

@@ -245,9 +245,15 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
   int max_blocks = (g->o.max_model_len + g->o.block_size - 1) / g->o.block_size;
   if (g->o.num_blocks <= 0) g->o.num_blocks = 4 * max_blocks;
   if (g->o.kv_dtype != PD_DTYPE_F32 && g->o.kv_dtype != PD_DTYPE_F16 &&
-      g->o.kv_dtype != PD_DTYPE_BF16) {
+      g->o.kv_dtype != PD_DTYPE_BF16 && g->o.kv_dtype != PD_DTYPE_F8_E4M3) {
     pd_err_set(e, PD_EUNSUPPORTED, "KV cache dtype %s is not supported",
                pd_dtype_name(g->o.kv_dtype));
+    goto fail;
+  }
+  if (g->o.kv_dtype == PD_DTYPE_F8_E4M3 && strcmp(be->ops.name, "cpu") != 0) {
+    pd_err_set(e, PD_EUNSUPPORTED,
+               "an FP8 KV cache runs on the CPU backend only (the %s backend's attention "
+               "kernels read 16- and 32-bit caches)", be->ops.name);
     goto fail;
   }
   if (!be->ops.act_bytes || !be->ops.embed_norm || !be->ops.norm || !be->ops.linear ||
@@ -308,6 +314,8 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
     if (!L->wo.data || !L->wgu.data || !L->wdown.data) goto fail;
     L->kv.k = eng_alloc(g, kv_bytes, e);
     L->kv.v = eng_alloc(g, kv_bytes, e);
+    L->kv.k_scale = w->k_scale; /* (0: 1) */
+    L->kv.v_scale = w->v_scale;
     if (!L->kv.k || !L->kv.v) goto fail;
   }
 

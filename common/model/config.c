@@ -352,6 +352,25 @@ static pd_status cfg_bits4(const cJSON *v, const char *field, pd_err *e) {
 
 /* quantization_config: AWQ (gemm), GPTQ and compressed-tensors pack-quantized, 4-bit. Anything
  * else is refused naming what it is. */
+/* compressed-tensors kv_cache_scheme: FP8 (e4m3) per-tensor static scales, the layers'
+ * self_attn.k_scale / v_scale, used with --kv-cache-dtype fp8. */
+static pd_status cfg_kv_scheme(const cJSON *q, pd_quant_config *out, pd_err *e) {
+  const cJSON *kv = cfg_get(q, "kv_cache_scheme");
+  if (!kv) return PD_OK;
+  const char *type = cfg_str(kv, "type"), *strat = cfg_str(kv, "strategy");
+  int b = 0;
+  if (!cfg_get(kv, "num_bits") ||
+      cfg_as_int(cfg_get(kv, "num_bits"), "kv_cache_scheme.num_bits", 1, 64, &b, e) != PD_OK ||
+      b != 8 || !type || strcmp(type, "float") != 0 || (strat && strcmp(strat, "tensor") != 0) ||
+      cJSON_IsTrue(cfg_get(kv, "dynamic")))
+    return pd_err_set(e, PD_EUNSUPPORTED,
+                      "config: compressed-tensors kv_cache_scheme other than FP8 with static "
+                      "per-tensor scales (%d bits, type '%.16s', strategy '%.16s') is not "
+                      "supported", b, type ? type : "?", strat ? strat : "?");
+  out->kv_fp8_scales = true;
+  return PD_OK;
+}
+
 static pd_status cfg_quant(const cJSON *q, pd_quant_config *out, pd_err *e) {
   memset(out, 0, sizeof *out);
   if (!cJSON_IsObject(q)) return pd_err_set(e, PD_EFORMAT, "config: quantization_config is not an object");
@@ -430,10 +449,7 @@ static pd_status cfg_quant(const cJSON *q, pd_quant_config *out, pd_err *e) {
                             "scales, strategy '%.16s') are not supported yet", is ? is : "?");
         out->act_fp8_dynamic = true;
       }
-      if (cfg_get(q, "kv_cache_scheme"))
-        return pd_err_set(e, PD_EUNSUPPORTED,
-                          "config: compressed-tensors kv_cache_scheme (FP8 KV cache) is not "
-                          "supported yet");
+      TRY(cfg_kv_scheme(q, out, e));
       out->bits = 8;
       out->method = PD_QUANT_CT_FP8;
       return PD_OK;
@@ -469,9 +485,7 @@ static pd_status cfg_quant(const cJSON *q, pd_quant_config *out, pd_err *e) {
                         "config: compressed-tensors weights.actorder '%.16s' is not supported "
                         "yet (static)", ao);
     TRY(cfg_bool_opt(w, "symmetric", true, &out->sym, e));
-    if (cfg_get(q, "kv_cache_scheme"))
-      return pd_err_set(e, PD_EUNSUPPORTED,
-                        "config: compressed-tensors kv_cache_scheme is not supported yet");
+    TRY(cfg_kv_scheme(q, out, e));
     out->method = PD_QUANT_CT_PACKED;
     return PD_OK;
   }

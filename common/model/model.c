@@ -368,6 +368,23 @@ static pd_status mdl_layer(pd_model *m, int l, pd_layer_weights *L, pd_err *e) {
   }
 #undef W
 #undef LIN
+  if (c->quant.kv_fp8_scales) { /* one positive finite scale each, [] or [1] */
+    const char *names[2] = {"k_scale", "v_scale"};
+    float *dst[2] = {&L->k_scale, &L->v_scale};
+    for (int i = 0; i < 2; i++) {
+      snprintf(n, sizeof n, "model.layers.%d.self_attn.%s", l, names[i]);
+      const pd_st_tensor *t = pd_st_find(st, n);
+      float v = 0.0f;
+      if (t && t->nbytes == pd_dtype_size(t->dtype) &&
+          (t->dtype == PD_DTYPE_F32 || t->dtype == PD_DTYPE_BF16 || t->dtype == PD_DTYPE_F16))
+        pd_convert_to_f32(&v, t->data, t->dtype, 1);
+      if (!(v > 0.0f) || !isfinite(v))
+        return pd_err_set(e, t ? PD_EFORMAT : PD_ENOTFOUND,
+                          "kv_cache_scheme: tensor '%s' %s", n,
+                          t ? "is not one positive float scale" : "is missing");
+      *dst[i] = v;
+    }
+  }
   return PD_OK;
 }
 

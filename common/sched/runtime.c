@@ -1,5 +1,6 @@
 #include "pd/runtime.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -35,7 +36,8 @@ int pd_runtime_opts_table(pd_runtime_opts *o, pd_opt *out, int cap) {
        "CPU: microseconds a worker thread spins for new work before it sleeps (300; 0 = sleep "
        "at once, for machines shared with other busy processes)", NULL},
       {"kv-cache-dtype", PD_OPT_STR, &o->kv_cache_dtype, "T",
-       "auto (f32 on CPU, bf16 on GPU), f32, bf16, f16", NULL},
+       "auto (f32 on CPU, bf16 on GPU), f32, bf16, f16, fp8 (e4m3 with the checkpoint's KV "
+       "scales, else 1.0; CPU only)", NULL},
       {"quantization", PD_OPT_STR, &o->quantization, "M",
        "quantize a float checkpoint's linear layers at load: fp8 (per-channel e4m3 weights, "
        "dynamic per-token FP8 activations; default none)", NULL},
@@ -192,10 +194,14 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
   if (!strcmp(kd, "f32")) kv_dt = PD_DTYPE_F32;
   else if (!strcmp(kd, "bf16")) kv_dt = PD_DTYPE_BF16;
   else if (!strcmp(kd, "f16")) kv_dt = PD_DTYPE_F16;
+  else if (!strcmp(kd, "fp8") || !strcmp(kd, "fp8_e4m3")) kv_dt = PD_DTYPE_F8_E4M3;
   else if (strcmp(kd, "auto") != 0) {
-    pd_err_set(e, PD_EINVAL, "--kv-cache-dtype '%s': expected auto, f32, bf16 or f16", kd);
+    pd_err_set(e, PD_EINVAL, "--kv-cache-dtype '%s': expected auto, f32, bf16, f16 or fp8", kd);
     goto fail;
   }
+  if (kv_dt == PD_DTYPE_F8_E4M3 && !c->quant.kv_fp8_scales)
+    fprintf(stderr, "pdserve: --kv-cache-dtype fp8: %s has no KV cache scales "
+                    "(kv_cache_scheme); K and V are stored with scale 1.0\n", o->model_dir);
   int max_len = o->max_model_len ? o->max_model_len : c->max_position_embeddings;
   if (max_len > c->max_position_embeddings) {
     pd_err_set(e, PD_EINVAL, "--max-model-len %d exceeds the model's %d", max_len,

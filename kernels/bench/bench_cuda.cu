@@ -241,7 +241,7 @@ static double attn_case(int S, int n_new, int ctx, int nq, int nkv, int hd, int 
   const int nb_seq = (ctx + bs - 1) / bs, num_blocks = S * nb_seq;
   const size_t elems = (size_t)num_blocks * nkv * bs * hd;
   const size_t esz = dt == PD_DTYPE_F32 ? 4 : 2;
-  pd_kv_layer kv = {dalloc(elems * esz), dalloc(elems * esz)};
+  pd_kv_layer kv = {dalloc(elems * esz), dalloc(elems * esz), 1.0f, 1.0f};
   if (dt == PD_DTYPE_F32) {
     fill_f32<<<4096, 256, 0, st>>>((float *)kv.k, elems, 1.0f, 1);
     fill_f32<<<4096, 256, 0, st>>>((float *)kv.v, elems, 1.0f, 2);

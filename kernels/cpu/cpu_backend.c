@@ -95,6 +95,8 @@ static void run(cpu_impl *c, pd_pool_fn fn, void *ctx, int n_tasks, int parallel
 static int check_wdt(pd_dtype t) {
   return t == PD_DTYPE_F32 || t == PD_DTYPE_F16 || t == PD_DTYPE_BF16;
 }
+/* KV caches: the float types and FP8 e4m3 (values / the layer's k_scale or v_scale). */
+static int check_kvdt(pd_dtype t) { return check_wdt(t) || t == PD_DTYPE_F8_E4M3; }
 /* Matmul weights: the float types and 4-bit blocks (K a multiple of PD_Q4_BLOCK). */
 static int check_mm_wdt(pd_dtype t, int K) {
   return check_wdt(t) || (t == PD_DTYPE_Q4 && K % PD_Q4_BLOCK == 0) ||
@@ -453,8 +455,12 @@ typedef struct kvw_ctx {
   int M, per;
 } kvw_ctx;
 
-static void store_row(void *dst, const float *src, pd_dtype dt, int n) {
-  if (dt == PD_DTYPE_F32) {
+/* scale: FP8 caches store e4m3(src / scale) */
+static void store_row(void *dst, const float *src, pd_dtype dt, int n, float scale) {
+  if (dt == PD_DTYPE_F8_E4M3) {
+    uint8_t *d = dst;
+    for (int i = 0; i < n; i++) d[i] = pd_f32_to_e4m3(src[i] / scale);
+  } else if (dt == PD_DTYPE_F32) {
     memcpy(dst, src, (size_t)n * sizeof(float));
   } else if (dt == PD_DTYPE_BF16) {
     uint16_t *d = dst;
@@ -478,9 +484,9 @@ static void kvw_task(void *arg, int task, int thread) {
     for (int g = 0; g < sh->num_kv_heads; g++) {
       size_t el = (((size_t)blk * sh->num_kv_heads + g) * sh->block_size + off) * sh->head_dim;
       store_row((char *)w->kv->k + el * esz, w->k + i * row + (size_t)g * sh->head_dim, sh->dtype,
-                sh->head_dim);
+                sh->head_dim, pd_kv_k_scale(w->kv));
       store_row((char *)w->kv->v + el * esz, w->v + i * row + (size_t)g * sh->head_dim, sh->dtype,
-                sh->head_dim);
+                sh->head_dim, pd_kv_v_scale(w->kv));
     }
   }
 }
@@ -489,7 +495,7 @@ static void cpu_kv_write(pd_backend *be, const pd_kv_layer *kv, const pd_kv_shap
                          const float *k, const float *v, const int32_t *slots, int M) {
   cpu_impl *c = impl_of(be);
   PD_ASSERT(M >= 0 && shape->block_size > 0 && shape->num_kv_heads > 0 && shape->head_dim > 0);
-  PD_ASSERT(check_wdt(shape->dtype));
+  PD_ASSERT(check_kvdt(shape->dtype));
   if (M == 0) return;
   int64_t n_slots = (int64_t)shape->num_blocks * shape->block_size;
   for (int i = 0; i < M; i++) PD_ASSERT(slots[i] < n_slots);
@@ -589,15 +595,19 @@ static void cpu_attention(pd_backend *be, float *out, const float *q, const pd_k
   const pd_cpu_kern *k = c->k;
   PD_ASSERT(shape->block_size > 0 && shape->num_kv_heads > 0 && shape->head_dim > 0);
   PD_ASSERT(n_q_heads > 0 && n_q_heads % shape->num_kv_heads == 0);
-  PD_ASSERT(check_wdt(shape->dtype));
+  PD_ASSERT(check_kvdt(shape->dtype));
   PD_ASSERT(b->n_seqs >= 0);
   if (b->n_seqs == 0 || b->n_tokens == 0) return;
 
   attn_ctx x = {.c = c, .n_seqs = b->n_seqs, .tile = k->at_tile};
+  /* FP8 caches hold K / k_scale and V / v_scale: the softmax scale takes k_scale, and the output
+   * is multiplied by v_scale after */
+  const bool f8 = shape->dtype == PD_DTYPE_F8_E4M3;
   x.a = (pd_cpu_attn){.out = out, .q = q, .k = kv->k, .v = kv->v, .kv_dtype = shape->dtype,
                       .block_size = shape->block_size, .n_kv_heads = shape->num_kv_heads,
                       .head_dim = shape->head_dim, .n_q_heads = n_q_heads,
-                      .group = n_q_heads / shape->num_kv_heads, .scale = scale,
+                      .group = n_q_heads / shape->num_kv_heads,
+                      .scale = f8 ? scale * pd_kv_k_scale(kv) : scale,
                       .window = sliding_window, .q_start = b->q_start, .ctx_len = b->ctx_len,
                       .block_tables = b->block_tables, .max_blocks = b->max_blocks};
   int32_t *task0 = host_scratch(c, ((size_t)b->n_seqs + 1) * sizeof(int32_t));
@@ -620,6 +630,11 @@ static void cpu_attention(pd_backend *be, float *out, const float *q, const pd_k
   x.task0 = task0;
   ensure_scratch(c, k->attn_scratch(shape->head_dim));
   run(c, attn_task, &x, (int)total, 1);
+  if (f8 && pd_kv_v_scale(kv) != 1.0f) {
+    const float vs = pd_kv_v_scale(kv);
+    const size_t n = (size_t)b->n_tokens * n_q_heads * shape->head_dim;
+    for (size_t i = 0; i < n; i++) out[i] *= vs;
+  }
 }
 
 /* ---- failure --------------------------------------------------------------------------------- */

@@ -39,24 +39,34 @@
  * Widening loads by dtype (dt is a compile-time constant wherever these are inlined).
  * ============================================================================================== */
 
-/* Bytes per element of a weight/KV dtype (F32, F16, BF16), inlinable in hot loops. */
-AI size_t dt_size(pd_dtype dt) { return dt == PD_DTYPE_F32 ? 4 : 2; }
+/* Bytes per element of a weight/KV dtype (F32, F16, BF16; F8_E4M3 for KV caches), inlinable in
+ * hot loops. */
+AI size_t dt_size(pd_dtype dt) {
+  return dt == PD_DTYPE_F32 ? 4 : dt == PD_DTYPE_F8_E4M3 ? 1 : 2;
+}
 
 AI vf load_dt(const void *base, size_t i, pd_dtype dt) {
   if (dt == PD_DTYPE_F32) return V_LOAD((const float *)base + i);
   if (dt == PD_DTYPE_BF16) return V_LOAD_BF16((const uint16_t *)base + i);
+  if (dt == PD_DTYPE_F8_E4M3) return V_LOAD_E4M3((const uint8_t *)base + i);
   return V_LOAD_F16((const uint16_t *)base + i);
 }
 
 AI vf load_dt_n(const void *base, size_t i, int n, pd_dtype dt) {
   if (dt == PD_DTYPE_F32) return V_LOAD_N((const float *)base + i, n);
   if (dt == PD_DTYPE_BF16) return V_LOAD_BF16_N((const uint16_t *)base + i, n);
+  if (dt == PD_DTYPE_F8_E4M3) { /* n < VL bytes: through a zeroed copy */
+    uint8_t t[VL > 16 ? VL : 16] = {0};
+    memcpy(t, (const uint8_t *)base + i, (size_t)n);
+    return V_LOAD_E4M3(t);
+  }
   return V_LOAD_F16_N((const uint16_t *)base + i, n);
 }
 
 AI float scalar_dt(const void *base, size_t i, pd_dtype dt) {
   if (dt == PD_DTYPE_F32) return ((const float *)base)[i];
   if (dt == PD_DTYPE_BF16) return pd_bf16_to_f32(((const uint16_t *)base)[i]);
+  if (dt == PD_DTYPE_F8_E4M3) return pd_e4m3_to_f32(((const uint8_t *)base)[i]);
   return pd_f16_to_f32(((const uint16_t *)base)[i]);
 }
 
@@ -69,6 +79,9 @@ static void k_to_f32(float *dst, const void *src, pd_dtype dt, size_t n) {
   if (dt == PD_DTYPE_BF16) {
     for (; i + VL <= n; i += VL) V_STORE(dst + i, load_dt(src, i, PD_DTYPE_BF16));
     if (i < n) V_STORE_N(dst + i, load_dt_n(src, i, (int)(n - i), PD_DTYPE_BF16), (int)(n - i));
+  } else if (dt == PD_DTYPE_F8_E4M3) {
+    for (; i + VL <= n; i += VL) V_STORE(dst + i, load_dt(src, i, PD_DTYPE_F8_E4M3));
+    for (; i < n; i++) dst[i] = pd_e4m3_to_f32(((const uint8_t *)src)[i]);
   } else {
     for (; i + VL <= n; i += VL) V_STORE(dst + i, load_dt(src, i, PD_DTYPE_F16));
     if (i < n) V_STORE_N(dst + i, load_dt_n(src, i, (int)(n - i), PD_DTYPE_F16), (int)(n - i));
@@ -820,6 +833,7 @@ static void at_build_kt(float *KT, const void *const *krow, int nk, int hd, int 
   switch (dt) {
   case PD_DTYPE_BF16: at_build_kt_dt(KT, krow, nk, hd, hp, PD_DTYPE_BF16); break;
   case PD_DTYPE_F16: at_build_kt_dt(KT, krow, nk, hd, hp, PD_DTYPE_F16); break;
+  case PD_DTYPE_F8_E4M3: at_build_kt_dt(KT, krow, nk, hd, hp, PD_DTYPE_F8_E4M3); break;
   default: at_build_kt_dt(KT, krow, nk, hd, hp, PD_DTYPE_F32); break;
   }
 }

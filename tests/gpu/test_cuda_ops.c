@@ -501,7 +501,7 @@ static void test_fused(void) {
       pd_kv_shape sh = {nb, bs, nkv, hd, dt};
       size_t cb = (size_t)nb * nkv * bs * hd * pd_dtype_size(dt);
       void *cache = rand_dt(dt, (size_t)nb * nkv * bs * hd, -1, 1);
-      pd_kv_layer a = {up(cache, cb), up(cache, cb)}, f = {up(cache, cb), up(cache, cb)};
+      pd_kv_layer a = {up(cache, cb), up(cache, cb), 1, 1}, f = {up(cache, cb), up(cache, cb), 1, 1};
       float *dq = up(q, (size_t)M * qd * 4), *dk = up(k, (size_t)M * kd * 4),
             *dv = up(v, (size_t)M * kd * 4), *dqkv = up(qkv, (size_t)M * row * 4),
             *dinv = up(inv, (size_t)half * 4);
@@ -553,7 +553,7 @@ static void test_kv_write(int bs, pd_dtype dt) {
   float *k = rand_f32((size_t)M * nkv * hd, -3, 3), *v = rand_f32((size_t)M * nkv * hd, -3, 3);
   int32_t slots[100];
   for (int i = 0; i < M; i++) slots[i] = i % 7 == 3 ? -1 : (int32_t)((i * 37 + 5) % (nb * bs));
-  pd_kv_layer dl = {up(kc, cb), up(vc, cb)}, hl = {kc, vc};
+  pd_kv_layer dl = {up(kc, cb), up(vc, cb), 1, 1}, hl = {kc, vc, 1, 1};
   float *dk = up(k, (size_t)M * nkv * hd * 4), *dv = up(v, (size_t)M * nkv * hd * 4);
   int32_t *ds = up(slots, sizeof slots);
   g_cpu->ops.kv_write(g_cpu, &hl, &sh, k, v, slots, M);
@@ -642,12 +642,12 @@ static void run_attn(const attn_case *c) {
   const size_t qn = (size_t)T * c->nq * c->hd;
   float *q = rand_f32(qn, -2, 2), *ref = xmalloc(qn * 4);
   pd_kv_shape sh = {num_blocks, bs, c->nkv, c->hd, c->dt};
-  pd_kv_layer hl = {kc, vc};
+  pd_kv_layer hl = {kc, vc, 1, 1};
   pd_attn_batch hb = {S, T, qs, c->ctx, bt, max_blocks, max_ctx};
   const float scale = 1.0f / sqrtf((float)c->hd);
   g_cpu->ops.attention(g_cpu, ref, q, &hl, &sh, &hb, c->nq, scale, c->window);
 
-  pd_kv_layer dl = {up(kc, ce * esz), up(vc, ce * esz)};
+  pd_kv_layer dl = {up(kc, ce * esz), up(vc, ce * esz), 1, 1};
   int32_t *dqs = up(qs, (size_t)(S + 1) * 4), *dctx = up(c->ctx, (size_t)S * 4);
   int32_t *dbt = up(bt, (size_t)S * max_blocks * 4);
   float *dq = up(q, qn * 4), *dout = g_gpu->ops.alloc(g_gpu, qn * 4);

@@ -66,6 +66,14 @@ def main():
     check(abs(r["perplexity"] - want) <= 0.005 * want and r["tokens_scored"] == 65280,
           "pycoder-qwen2-4m --quantization fp8: perplexity %.4f, llm-compressor FP8_DYNAMIC's "
           "%.4f" % (r["perplexity"], want))
+    # an FP8 (e4m3) KV cache, scale 1.0 (the float model has no kv_cache_scheme), within 0.5% of
+    # the bf16 KV cache's perplexity
+    ppl_kv = {}
+    for kv in ("bf16", "fp8"):
+        ppl_kv[kv] = run(a.pdctl, ["--model", base, "--ids-file", ids, "--context", "256",
+                                   "--json", "--threads", "2", "--kv-cache-dtype", kv])["perplexity"]
+    check(abs(ppl_kv["fp8"] - ppl_kv["bf16"]) <= 0.005 * ppl_kv["bf16"],
+          "--kv-cache-dtype fp8: perplexity %.4f, bf16 KV %.4f" % (ppl_kv["fp8"], ppl_kv["bf16"]))
     err = run(a.pdctl, ["--model", gptq, "--ids-file", ids, "--quantization", "fp8"], ok=False)
     check("quantized already" in err, "--quantization fp8 on a GPTQ checkpoint: %s" % err)
     err = run(a.pdctl, ["--model", base, "--ids-file", ids, "--quantization", "int2"], ok=False)

@@ -553,6 +553,9 @@ static void test_attention(void) {
       /* f16 / bf16 KV, head_dim 128 and 8 */
       {16, 2, 2, 128, 0, PD_DTYPE_F16, 1, 3, {20, 1, 5}, {20, 50, 64}},
       {7, 1, 3, 8, 0, PD_DTYPE_BF16, 1, 3, {11, 1, 4}, {11, 29, 4}},
+      /* FP8 KV (k_scale 0.5, v_scale 0.25): decode and prefill, head dims 64 and 17 */
+      {16, 2, 3, 64, 0, PD_DTYPE_F8_E4M3, 1, 4, {1, 1, 30, 1}, {40, 17, 30, 300}},
+      {7, 3, 1, 17, 9, PD_DTYPE_F8_E4M3, 1, 3, {13, 1, 40}, {13, 60, 40}},
       /* 1000-token prompt, and a 300-token chunk after a 700-token cached prefix */
       {16, 2, 3, 64, 0, PD_DTYPE_F32, 1, 2, {1000, 300}, {1000, 1000}},
       /* long window over a chunked prefill */
@@ -605,8 +608,10 @@ static void test_attention(void) {
     pd_kv_shape shape = {.num_blocks = num_blocks, .block_size = bs, .num_kv_heads = nkv,
                          .head_dim = hd, .dtype = c->dt};
     size_t cache_bytes = (size_t)num_blocks * nkv * bs * hd * esz;
+    const bool f8 = c->dt == PD_DTYPE_F8_E4M3;
     pd_kv_layer kv = {.k = g_be[0]->ops.alloc(g_be[0], cache_bytes),
-                      .v = g_be[0]->ops.alloc(g_be[0], cache_bytes)};
+                      .v = g_be[0]->ops.alloc(g_be[0], cache_bytes),
+                      .k_scale = f8 ? 0.5f : 0.0f, .v_scale = f8 ? 0.25f : 0.0f};
     /* Extra row so that the skipped slot has data (it must not be written). */
     float *kin2 = xmalloc(((size_t)total_ctx + 1) * row * 4), *vin2 = xmalloc(((size_t)total_ctx + 1) * row * 4);
     memcpy(kin2, kin, (size_t)total_ctx * row * 4);
@@ -627,6 +632,10 @@ static void test_attention(void) {
           if (c->dt == PD_DTYPE_F32) {
             kf = ((float *)kv.k)[el], vf = ((float *)kv.v)[el];
             kv_ok &= kf == kin[ri] && vf == vin[ri];
+          } else if (f8) { /* e4m3 of the value / the scale */
+            const uint8_t kb = ((uint8_t *)kv.k)[el], vb = ((uint8_t *)kv.v)[el];
+            kf = pd_e4m3_to_f32(kb) * 0.5f, vf = pd_e4m3_to_f32(vb) * 0.25f;
+            kv_ok &= kb == pd_f32_to_e4m3(kin[ri] / 0.5f) && vb == pd_f32_to_e4m3(vin[ri] / 0.25f);
           } else if (c->dt == PD_DTYPE_BF16) {
             kf = pd_bf16_to_f32(((uint16_t *)kv.k)[el]), vf = pd_bf16_to_f32(((uint16_t *)kv.v)[el]);
             kv_ok &= ((uint16_t *)kv.k)[el] == pd_f32_to_bf16(kin[ri]);

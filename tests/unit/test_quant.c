@@ -287,6 +287,11 @@ int main(int argc, char **argv) {
     }
   }
   refused("{\"quant_method\":\"bitsandbytes\"}", "'bitsandbytes' is not supported");
+  refused("{\"quant_method\":\"compressed-tensors\",\"format\":\"float-quantized\","
+          "\"config_groups\":{\"g\":{\"format\":\"float-quantized\",\"weights\":{\"num_bits\":8,"
+          "\"type\":\"float\",\"strategy\":\"channel\"}}},\"kv_cache_scheme\":{\"num_bits\":4,"
+          "\"type\":\"int\",\"strategy\":\"tensor\"}}",
+          "kv_cache_scheme other than FP8");
   refused("{\"quant_method\":\"gptq\",\"bits\":8,\"group_size\":128}", "8 is not supported");
   refused("{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":16}", "group_size 16");
   refused("{\"quant_method\":\"awq\",\"bits\":4,\"group_size\":128,\"version\":\"gemv\"}",

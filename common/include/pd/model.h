@@ -48,6 +48,7 @@ typedef struct pd_quant_config {
   bool sym;         /* symmetric: no stored zero points (zero 2^(bits-1)) */
   bool zeros_minus_one; /* GPTQ checkpoint_format "gptq": stored zeros are z - 1 */
   bool act_fp8_dynamic; /* FP8: activations quantized per token at run time (FP8_DYNAMIC) */
+  bool kv_fp8_scales;   /* kv_cache_scheme: the layers' FP8 KV scales (self_attn.k_scale, v_scale) */
 } pd_quant_config;
 
 typedef struct pd_model_config {
@@ -104,6 +105,7 @@ typedef struct pd_layer_weights {
   pd_weight ffn_norm;           /* post_attention_layernorm.weight [hidden] */
   pd_weight w_gate, w_up, w_down; /* [ffn, hidden] x2, [hidden, ffn] */
   pd_weight b_gate, b_up, b_down; /* optional biases [ffn] x2, [hidden] (Llama mlp_bias) */
+  float k_scale, v_scale;       /* FP8 KV cache scales of a kv_cache_scheme checkpoint, else 0 */
 } pd_layer_weights;
 
 typedef struct pd_model {

@@ -17,7 +17,7 @@ extern "C" {
 typedef struct pd_runtime_opts {
   const char *model_dir;
   const char *device;   /* "cpu" (default) or "cuda", "cuda:N" */
-  const char *kv_cache_dtype; /* "auto" (f32 on the CPU, bf16 on GPUs), "f32", "bf16", "f16" */
+  const char *kv_cache_dtype; /* "auto" (f32 on the CPU, bf16 on GPUs), "f32", "bf16", "f16", "fp8" */
   const char *quantization;   /* NULL / "none", or "fp8": the linear layers quantized at load */
   double gpu_memory_utilization; /* GPU: fraction of device memory for weights + KV (0.9) */
   int threads;          /* CPU threads, 0 = all cores */

@@ -32,14 +32,24 @@ typedef struct pd_backend pd_backend;
 typedef struct pd_kv_layer {
   void *k; /* [num_blocks, num_kv_heads, block_size, head_dim] */
   void *v; /* [num_blocks, num_kv_heads, block_size, head_dim] */
+  /* FP8 (e4m3) caches: the cache holds K / k_scale and V / v_scale (the checkpoint's per-tensor
+   * scales, or 1); 0 means 1. Unused by the float dtypes. */
+  float k_scale, v_scale;
 } pd_kv_layer;
+
+static inline float pd_kv_k_scale(const pd_kv_layer *kv) {
+  return kv->k_scale > 0.0f ? kv->k_scale : 1.0f;
+}
+static inline float pd_kv_v_scale(const pd_kv_layer *kv) {
+  return kv->v_scale > 0.0f ? kv->v_scale : 1.0f;
+}
 
 typedef struct pd_kv_shape {
   int num_blocks;
   int block_size;
   int num_kv_heads;
   int head_dim;
-  pd_dtype dtype; /* F32 on the CPU backend; F16/BF16 also allowed */
+  pd_dtype dtype; /* F32, F16, BF16; F8_E4M3 on the CPU backend (with pd_kv_layer's scales) */
 } pd_kv_shape;
 
 /* One run of KV staging segments for kv_gather_runs / kv_scatter_runs: n segments of seg_bytes,
