@@ -127,7 +127,7 @@ static const struct {
     [PD_DTYPE_I64] = {"I64", 8},     [PD_DTYPE_BOOL] = {"BOOL", 1},
     [PD_DTYPE_F8_E4M3] = {"F8_E4M3", 1}, [PD_DTYPE_F8_E5M2] = {"F8_E5M2", 1},
     [PD_DTYPE_Q4] = {"Q4", 0},       [PD_DTYPE_F8W] = {"F8W", 1},
-    [PD_DTYPE_F8WA] = {"F8WA", 1},
+    [PD_DTYPE_F8WA] = {"F8WA", 1},   [PD_DTYPE_F8WS] = {"F8WS", 1},
 };
 
 size_t pd_dtype_size(pd_dtype t) { return (t >= 0 && t < PD_DTYPE_COUNT) ? dtype_info[t].size : 0; }
@@ -137,12 +137,13 @@ const char *pd_dtype_name(pd_dtype t) {
 size_t pd_dtype_row_bytes(pd_dtype t, int64_t cols) {
   if (t == PD_DTYPE_Q4) return (size_t)cols / 2 + (size_t)cols / 8;
   if (t == PD_DTYPE_F8W || t == PD_DTYPE_F8WA) return (size_t)cols + 4;
+  if (t == PD_DTYPE_F8WS) return (size_t)cols + 8;
   return (size_t)cols * pd_dtype_size(t);
 }
 
 int pd_dtype_from_name(const char *s) {
   for (int i = 0; i < PD_DTYPE_COUNT; i++)
-    if (i != PD_DTYPE_Q4 && i != PD_DTYPE_F8W && i != PD_DTYPE_F8WA &&
+    if (i != PD_DTYPE_Q4 && i != PD_DTYPE_F8W && i != PD_DTYPE_F8WA && i != PD_DTYPE_F8WS &&
         strcmp(s, dtype_info[i].name) == 0)
       return i;
   return -1;

@@ -250,6 +250,12 @@ pd_engine *pd_engine_create(const pd_model *m, pd_backend *be, const pd_engine_o
                pd_dtype_name(g->o.kv_dtype));
     goto fail;
   }
+  if (c->quant.act_fp8_static && strcmp(be->ops.name, "cpu") != 0) {
+    pd_err_set(e, PD_EUNSUPPORTED,
+               "FP8 checkpoints with static activation scales (input_scale) run on the CPU "
+               "backend only (the %s backend has no kernels for them yet)", be->ops.name);
+    goto fail;
+  }
   if (g->o.kv_dtype == PD_DTYPE_F8_E4M3 && strcmp(be->ops.name, "cpu") != 0) {
     pd_err_set(e, PD_EUNSUPPORTED,
                "an FP8 KV cache runs on the CPU backend only (the %s backend's attention "

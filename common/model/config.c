@@ -443,11 +443,15 @@ static pd_status cfg_quant(const cJSON *q, pd_quant_config *out, pd_err *e) {
         bool dyn = false;
         TRY(cfg_bool_opt(in, "dynamic", false, &dyn, e));
         const char *is = cfg_str(in, "strategy"), *it = cfg_str(in, "type");
-        if (!dyn || (is && strcmp(is, "token") != 0) || (it && strcmp(it, "float") != 0))
+        const bool dyn_ok = dyn && (!is || !strcmp(is, "token"));
+        const bool static_ok = !dyn && is && !strcmp(is, "tensor");
+        if (!(dyn_ok || static_ok) || (it && strcmp(it, "float") != 0))
           return pd_err_set(e, PD_EUNSUPPORTED,
-                            "config: FP8 input activations other than dynamic per token (static "
-                            "scales, strategy '%.16s') are not supported yet", is ? is : "?");
-        out->act_fp8_dynamic = true;
+                            "config: FP8 input activations other than dynamic per token or static "
+                            "per tensor (%s, strategy '%.16s') are not supported",
+                            dyn ? "dynamic" : "static", is ? is : "?");
+        out->act_fp8_dynamic = dyn_ok;
+        out->act_fp8_static = static_ok;
       }
       TRY(cfg_kv_scheme(q, out, e));
       out->bits = 8;

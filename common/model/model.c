@@ -280,7 +280,19 @@ pd_status pd_model_fp8_linear(const pd_st *st, const pd_quant_config *qc, const 
     return pd_err_set(e, PD_EFORMAT,
                       "tensor '%s': expected a scale per output channel [%lld, 1] or one scale",
                       n, (long long)N);
-  const size_t rb = pd_dtype_row_bytes(PD_DTYPE_F8W, K);
+  /* static activations: prefix.input_scale, one positive scale (F8WS rows) */
+  float in_scale = 0.0f;
+  if (qc->act_fp8_static) {
+    char ni[200];
+    snprintf(ni, sizeof ni, "%s.input_scale", prefix);
+    const pd_st_tensor *is = pd_st_find(st, ni);
+    if (is && is->nbytes == pd_dtype_size(is->dtype) && mdl_dtype_ok(is->dtype))
+      pd_convert_to_f32(&in_scale, is->data, is->dtype, 1);
+    if (!(in_scale > 0.0f) || !isfinite(in_scale))
+      return pd_err_set(e, is ? PD_EFORMAT : PD_ENOTFOUND, "tensor '%s' %s", ni,
+                        is ? "is not one positive float scale" : "is missing");
+  }
+  const size_t rb = pd_dtype_row_bytes(qc->act_fp8_static ? PD_DTYPE_F8WS : PD_DTYPE_F8W, K);
   uint8_t *buf = malloc((size_t)N * rb);
   if (!buf) return pd_err_set(e, PD_ENOMEM, "out of memory");
   for (int64_t r = 0; r < N; r++) {
@@ -299,8 +311,8 @@ pd_status pd_model_fp8_linear(const pd_st *st, const pd_quant_config *qc, const 
       return pd_err_set(e, PD_EFORMAT, "tensor '%s': scale %lld is not finite", n, (long long)i);
     }
     memcpy(buf + (size_t)r * rb + (size_t)K, &s, 4);
+    if (qc->act_fp8_static) memcpy(buf + (size_t)r * rb + (size_t)K + 4, &in_scale, 4);
   }
-  (void)qc;
   *rows = buf;
   return PD_OK;
 }
@@ -318,7 +330,9 @@ static pd_status mdl_linear(pd_model *m, const char *prefix, int64_t rows, int64
     TRY(pd_model_fp8_linear(m->st, &m->cfg.quant, prefix, rows, cols, &buf, e));
     TRY(mdl_own(m, buf, e));
     w->data = buf;
-    w->dtype = m->cfg.quant.act_fp8_dynamic ? PD_DTYPE_F8WA : PD_DTYPE_F8W;
+    w->dtype = m->cfg.quant.act_fp8_dynamic  ? PD_DTYPE_F8WA
+               : m->cfg.quant.act_fp8_static ? PD_DTYPE_F8WS
+                                             : PD_DTYPE_F8W;
     w->rows = rows;
     w->cols = cols;
     return PD_OK;
@@ -368,6 +382,26 @@ static pd_status mdl_layer(pd_model *m, int l, pd_layer_weights *L, pd_err *e) {
   }
 #undef W
 #undef LIN
+  if (c->quant.act_fp8_static) { /* fused products (q/k/v, gate/up) quantize x once: with the
+                                  * largest of their input scales, as vLLM does */
+    pd_weight *groups[2][3] = {{&L->wq, &L->wk, &L->wv}, {&L->w_gate, &L->w_up, NULL}};
+    for (int g = 0; g < 2; g++) {
+      float mx = 0.0f;
+      for (int i = 0; i < 3 && groups[g][i]; i++) {
+        const pd_weight *w = groups[g][i];
+        float v = 0.0f;
+        if (w->dtype == PD_DTYPE_F8WS) memcpy(&v, (const uint8_t *)w->data + w->cols + 4, 4);
+        mx = fmaxf(mx, v);
+      }
+      for (int i = 0; i < 3 && groups[g][i]; i++) {
+        pd_weight *w = groups[g][i];
+        if (w->dtype != PD_DTYPE_F8WS) continue;
+        const size_t rb = pd_dtype_row_bytes(PD_DTYPE_F8WS, w->cols);
+        for (int64_t r = 0; r < w->rows; r++)
+          memcpy((uint8_t *)w->data + (size_t)r * rb + w->cols + 4, &mx, 4);
+      }
+    }
+  }
   if (c->quant.kv_fp8_scales) { /* one positive finite scale each, [] or [1] */
     const char *names[2] = {"k_scale", "v_scale"};
     float *dst[2] = {&L->k_scale, &L->v_scale};

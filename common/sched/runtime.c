@@ -246,7 +246,7 @@ pd_status pd_runtime_open(pd_runtime *rt, const pd_runtime_opts *o, pd_sched_eve
     rt->be->ops.mem_info(rt->be, &free_b, &total_b);
     for (size_t i = 0; i < pd_st_count(rt->model->st); i++) weights += pd_st_at(rt->model->st, i)->nbytes;
     const pd_dtype lw = rt->model->layers[0].wq.dtype;
-    if (lw == PD_DTYPE_Q4 || lw == PD_DTYPE_F8W || lw == PD_DTYPE_F8WA) {
+    if (lw == PD_DTYPE_Q4 || lw == PD_DTYPE_F8W || lw == PD_DTYPE_F8WA || lw == PD_DTYPE_F8WS) {
       /* the repacked rows, and the bf16 copy of the largest quantized W that products above
        * the GEMV rows dequantize into (with the scratch's growth margin) */
       size_t big = 2 * (size_t)c->intermediate_size * (size_t)c->hidden_size;

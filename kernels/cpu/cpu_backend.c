@@ -100,7 +100,7 @@ static int check_kvdt(pd_dtype t) { return check_wdt(t) || t == PD_DTYPE_F8_E4M3
 /* Matmul weights: the float types and 4-bit blocks (K a multiple of PD_Q4_BLOCK). */
 static int check_mm_wdt(pd_dtype t, int K) {
   return check_wdt(t) || (t == PD_DTYPE_Q4 && K % PD_Q4_BLOCK == 0) ||
-         ((t == PD_DTYPE_F8W || t == PD_DTYPE_F8WA) && K % 16 == 0);
+         ((t == PD_DTYPE_F8W || t == PD_DTYPE_F8WA || t == PD_DTYPE_F8WS) && K % 16 == 0);
 }
 
 /* ---- memory ---------------------------------------------------------------------------------- */
@@ -184,6 +184,15 @@ static void cpu_matmul(pd_backend *be, float *y, const float *x, const void *w, 
       for (int j = 0; j < K; j++)
         qr[j] = sc > 0.0f ? pd_e4m3_to_f32(pd_f32_to_e4m3(xr[j] / sc)) * sc : 0.0f;
     }
+    x = xq;
+  }
+  /* static FP8 activations (F8WS): every row with the layer's input scale (the rows' tail),
+   * saturating at +-448 */
+  if (wdt == PD_DTYPE_F8WS) {
+    float sc;
+    memcpy(&sc, (const uint8_t *)w + K + 4, 4);
+    float *xq = host_scratch(c, (size_t)M * K * sizeof(float));
+    for (size_t i = 0; i < (size_t)M * K; i++) xq[i] = pd_e4m3_to_f32(pd_f32_to_e4m3(x[i] / sc)) * sc;
     x = xq;
   }
   double macs = (double)M * N * K;

@@ -425,15 +425,15 @@ static void mm_pack_q4(float *pw, const void *w, int K, int n0, int nv, int k0, 
   }
 }
 
-/* ---- FP8 weights (PD_DTYPE_F8W, F8WA: rows of K e4m3 bytes, then an f32 scale) ----
- * x in natural order (F8WA's activations were quantized before, in the backend); each row's sum
- * is scaled at the end. */
+/* ---- FP8 weights (PD_DTYPE_F8W, F8WA, F8WS: rows of K e4m3 bytes, then an f32 scale; F8WS then
+ * its activation scale: rows of rb bytes) ----
+ * x in natural order (F8WA's and F8WS's activations were quantized before, in the backend); each
+ * row's sum is scaled at the end. */
 AI void gf_block(float *y, const float *x, const uint8_t *w, const float *bias, int M, int R,
-                 int N, int K, int n) {
+                 int N, int K, size_t rb, int n) {
   vf acc[16];
 #pragma GCC unroll 16
   for (int f = 0; f < M * R; f++) acc[f] = V_ZERO();
-  const size_t rb = (size_t)K + 4;
   for (int k = 0; k < K; k += VL) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
@@ -452,10 +452,10 @@ AI void gf_block(float *y, const float *x, const uint8_t *w, const float *bias, 
 }
 
 AI void gf_rows(float *y, const float *x, const uint8_t *w, const float *bias, int M, int R,
-                int N, int K, int n0, int n1) {
+                int N, int K, size_t rb, int n0, int n1) {
   int n = n0;
-  for (; n + R <= n1; n += R) gf_block(y, x, w, bias, M, R, N, K, n);
-  for (; n < n1; n++) gf_block(y, x, w, bias, M, 1, N, K, n);
+  for (; n + R <= n1; n += R) gf_block(y, x, w, bias, M, R, N, K, rb, n);
+  for (; n < n1; n++) gf_block(y, x, w, bias, M, 1, N, K, rb, n);
 }
 
 /* GEMV over W rows of a packed form (dt: PD_DTYPE_Q4, or FP8 for both F8W and F8WA), as gv_dt:
@@ -464,7 +464,7 @@ AI void gf_rows(float *y, const float *x, const uint8_t *w, const float *bias, i
 AI void gp_rows(float *y, const float *x, const uint8_t *w, pd_dtype dt, const float *bias, int M,
                 int R, int N, int K, int n0, int n1) {
   if (dt == PD_DTYPE_Q4) gq_rows(y, x, w, bias, M, R, N, K, n0, n1);
-  else gf_rows(y, x, w, bias, M, R, N, K, n0, n1);
+  else gf_rows(y, x, w, bias, M, R, N, K, pd_dtype_row_bytes(dt, K), n0, n1);
 }
 
 AI void gv_packed(float *y, const float *x, const void *w, pd_dtype dt, const float *bias, int M,
@@ -486,8 +486,9 @@ AI void gv_packed(float *y, const float *x, const void *w, pd_dtype dt, const fl
 }
 
 /* The GEMM's panel of FP8 W, dequantized (scale applied). */
-static void mm_pack_f8(float *pw, const void *w, int K, int n0, int nv, int k0, int kc) {
-  const size_t rb = (size_t)K + 4;
+static void mm_pack_f8(float *pw, const void *w, pd_dtype dt, int K, int n0, int nv, int k0,
+                       int kc) {
+  const size_t rb = pd_dtype_row_bytes(dt, K);
   for (int i = 0; i < MM_NR; i++) {
     if (i >= nv) {
       for (int k = 0; k < kc; k++) pw[(size_t)k * MM_NR + i] = 0.0f;
@@ -505,6 +506,7 @@ static void k_gemv(float *y, const float *xp, const void *w, pd_dtype wdt, const
   switch (wdt) {
   case PD_DTYPE_F8W:
   case PD_DTYPE_F8WA: gv_packed(y, xp, w, PD_DTYPE_F8W, bias, M, N, K, n0, n1); break;
+  case PD_DTYPE_F8WS: gv_packed(y, xp, w, PD_DTYPE_F8WS, bias, M, N, K, n0, n1); break;
   case PD_DTYPE_Q4: gv_packed(y, xp, w, PD_DTYPE_Q4, bias, M, N, K, n0, n1); break;
   case PD_DTYPE_BF16: gv_dt(y, xp, w, PD_DTYPE_BF16, bias, M, N, K, n0, n1); break;
   case PD_DTYPE_F16: gv_dt(y, xp, w, PD_DTYPE_F16, bias, M, N, K, n0, n1); break;
@@ -573,7 +575,8 @@ static void mm_pack(float *pw, const void *w, pd_dtype dt, int K, int n0, int nv
   switch (dt) {
   case PD_DTYPE_Q4: mm_pack_q4(pw, w, K, n0, nv, k0, kc); break;
   case PD_DTYPE_F8W:
-  case PD_DTYPE_F8WA: mm_pack_f8(pw, w, K, n0, nv, k0, kc); break;
+  case PD_DTYPE_F8WA:
+  case PD_DTYPE_F8WS: mm_pack_f8(pw, w, dt, K, n0, nv, k0, kc); break;
   case PD_DTYPE_BF16: mm_pack_dt(pw, w, PD_DTYPE_BF16, K, n0, nv, k0, kc); break;
   case PD_DTYPE_F16: mm_pack_dt(pw, w, PD_DTYPE_F16, K, n0, nv, k0, kc); break;
   default: mm_pack_dt(pw, w, PD_DTYPE_F32, K, n0, nv, k0, kc); break;
@@ -701,7 +704,8 @@ static void k_gemm(float *y, const float *x, const void *w, pd_dtype wdt, const 
       mm_pack(panel, w, wdt, K, n0, nv, k0, kc);
       /* What this task reads next: the next depth block of this panel, else the next panel. */
       mm_pf pf = {.rows_left = 0};
-      if (wdt == PD_DTYPE_Q4 || wdt == PD_DTYPE_F8W || wdt == PD_DTYPE_F8WA) {
+      if (wdt == PD_DTYPE_Q4 || wdt == PD_DTYPE_F8W || wdt == PD_DTYPE_F8WA ||
+          wdt == PD_DTYPE_F8WS) {
         /* (rows of another layout: no prefetch walk) */
       } else if (k0 + kc < K) {
         int kn = K - (k0 + kc) < MM_KC ? K - (k0 + kc) : MM_KC;

@@ -173,6 +173,71 @@ def main():
         pf, p4 = ppl(base), ppl(d4)
         check(pf < p4 < 1.1 * pf, "int4-rtn checkpoint: perplexity %.4f (float %.4f)" % (p4, pf))
 
+        # ---- static activation scales and FP8 KV scales (compressed-tensors input_scale and
+        # kv_cache_scheme), on the fp8 folder above with scales added: fused products (q/k/v,
+        # gate/up) take the largest of their modules' input scales, so a checkpoint whose
+        # q/k/v scales differ gives exactly the perplexity of one with the largest everywhere;
+        # KV scales of 1.0 give exactly --kv-cache-dtype fp8 without a kv_cache_scheme
+        def with_scales(dst, in_scale, kv_scale):
+            os.makedirs(dst)
+            for f in os.listdir(d8):
+                if f not in ("model.safetensors", "config.json"):
+                    with open(os.path.join(d8, f), "rb") as a_, open(os.path.join(dst, f), "wb") as b_:
+                        b_.write(a_.read())
+            h, d = read_st(os.path.join(d8, "model.safetensors"))
+            tensors = [(k, v["dtype"], v["shape"], raw(h, d, k)) for k, v in h.items()
+                       if k != "__metadata__"]
+            for k, _, _, _ in list(tensors):
+                if k.endswith("_proj.weight") and ".layers." in k:
+                    tensors.append((k[:-len("weight")] + "input_scale", "F32", [],
+                                    struct.pack("<f", in_scale(k))))
+            for layer in sorted({k.split(".")[2] for k, _, _, _ in tensors if ".layers." in k}):
+                for nm in ("k_scale", "v_scale"):
+                    tensors.append(("model.layers.%s.self_attn.%s" % (layer, nm), "F32", [1],
+                                    struct.pack("<f", kv_scale)))
+            size = {"F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}
+            tensors.sort(key=lambda t: -size[t[1]])
+            head, off = {"__metadata__": {"format": "pt"}}, 0
+            for k, dt, shp, b in tensors:
+                head[k] = {"dtype": dt, "shape": shp, "data_offsets": [off, off + len(b)]}
+                off += len(b)
+            hj = json.dumps(head).encode()
+            hj += b" " * ((8 - len(hj) % 8) % 8)
+            with open(os.path.join(dst, "model.safetensors"), "wb") as f:
+                f.write(struct.pack("<Q", len(hj)) + hj + b"".join(t[3] for t in tensors))
+            cfg = json.load(open(os.path.join(d8, "config.json")))
+            q = cfg["quantization_config"]
+            q["config_groups"]["group_0"]["input_activations"] = {
+                "dynamic": False, "num_bits": 8, "strategy": "tensor", "symmetric": True,
+                "type": "float"}
+            q["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "strategy": "tensor",
+                                    "symmetric": True, "type": "float"}
+            json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+
+        def mixed(k):
+            return {"q_proj": 0.02, "k_proj": 0.05, "v_proj": 0.03, "gate_proj": 0.06,
+                    "up_proj": 0.04}.get(k.split(".")[-2], 0.05)
+
+        def top(k):
+            return {"q_proj": 0.05, "k_proj": 0.05, "v_proj": 0.05, "gate_proj": 0.06,
+                    "up_proj": 0.06}.get(k.split(".")[-2], 0.05)
+
+        ds_mixed, ds_top = os.path.join(tmp, "static-mixed"), os.path.join(tmp, "static-top")
+        ds_kv2 = os.path.join(tmp, "static-kv2")
+        with_scales(ds_mixed, mixed, 1.0)
+        with_scales(ds_top, top, 1.0)
+        with_scales(ds_kv2, top, 2.0)
+        p_mixed = ppl(ds_mixed, ["--kv-cache-dtype", "fp8"])
+        p_top = ppl(ds_top, ["--kv-cache-dtype", "fp8"])
+        p_kv2 = ppl(ds_kv2, ["--kv-cache-dtype", "fp8"])
+        check(p_mixed == p_top and abs(p_top - p8) <= 0.05 * p8,
+              "static input scales: q/k/v and gate/up take their largest (%.4f = %.4f; dynamic "
+              "%.4f)" % (p_mixed, p_top, p8))
+        p_kv1_default = ppl(ds_top, ["--kv-cache-dtype", "bf16"])
+        check(p_top != p_kv1_default and p_kv2 != p_top and abs(p_kv2 - p_top) <= 0.01 * p_top,
+              "kv_cache_scheme: KV scales change the FP8 cache's rounding (scale 1: %.4f, scale "
+              "2: %.4f, bf16 cache: %.4f)" % (p_top, p_kv2, p_kv1_default))
+
         # ---- refusals
         for args, want in ((["--method", "int3", "--model", base, "--out", d4], "not one of"),
                            (["--method", "fp8", "--model", base, "--out", d8], "not empty"),

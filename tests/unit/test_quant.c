@@ -311,8 +311,8 @@ int main(int argc, char **argv) {
   refused("{\"quant_method\":\"compressed-tensors\",\"format\":\"float-quantized\","
           "\"config_groups\":{\"g\":{\"weights\":{\"num_bits\":8,\"type\":\"float\","
           "\"strategy\":\"tensor\"},\"input_activations\":{\"num_bits\":8,\"type\":"
-          "\"float\",\"strategy\":\"tensor\",\"dynamic\":false}}}}",
-          "static scales");
+          "\"float\",\"strategy\":\"channel\",\"dynamic\":false}}}}",
+          "other than dynamic per token or static per tensor");
   refused("[1]", "not an object");
   if (pd_test_failures) {
     printf("test_quant: %d checks failed\n", pd_test_failures);

@@ -48,6 +48,7 @@ typedef struct pd_quant_config {
   bool sym;         /* symmetric: no stored zero points (zero 2^(bits-1)) */
   bool zeros_minus_one; /* GPTQ checkpoint_format "gptq": stored zeros are z - 1 */
   bool act_fp8_dynamic; /* FP8: activations quantized per token at run time (FP8_DYNAMIC) */
+  bool act_fp8_static;  /* FP8: activations quantized with the layers' static input_scale */
   bool kv_fp8_scales;   /* kv_cache_scheme: the layers' FP8 KV scales (self_attn.k_scale, v_scale) */
 } pd_quant_config;
 

@@ -35,6 +35,11 @@ typedef enum pd_dtype {
    * x' = e4m3(x / s) * s with s = max|x| / 448, as the checkpoint's dynamic activation scheme. */
   PD_DTYPE_F8W,
   PD_DTYPE_F8WA,
+  /* F8WS: FP8 weights with a static activation scale (compressed-tensors FP8 with input_scale):
+   * a row is K e4m3 bytes, the f32 weight scale, then the f32 activation scale s_in (the same in
+   * every row of a product: the largest of the fused modules'): x' = e4m3(x / s_in) * s_in,
+   * saturating. */
+  PD_DTYPE_F8WS,
   PD_DTYPE_COUNT
 } pd_dtype;
 
@@ -43,7 +48,8 @@ typedef enum pd_dtype {
 
 /* Bytes per element (1 for the 8-bit types; 0 for PD_DTYPE_Q4, see pd_dtype_row_bytes). */
 size_t pd_dtype_size(pd_dtype t);
-/* Bytes of one row of cols elements (PD_DTYPE_Q4: cols / 2 + cols / 8; F8W, F8WA: cols + 4). */
+/* Bytes of one row of cols elements (PD_DTYPE_Q4: cols / 2 + cols / 8; F8W, F8WA: cols + 4;
+ * F8WS: cols + 8). */
 size_t pd_dtype_row_bytes(pd_dtype t, int64_t cols);
 /* safetensors spelling: "F32", "BF16", ... */
 const char *pd_dtype_name(pd_dtype t);
